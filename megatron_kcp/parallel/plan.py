@@ -1,0 +1,256 @@
+"""Where each CP rank's tokens sit in the packed global stream, and what KCP exchanges.
+
+A layout hands every rank a list of *pieces*: intervals ``[start, end)`` of the global token
+stream, concatenated in local order. Everything else follows from the pieces and the global
+``cu_seqlens``: the local segments (sequences cut at piece edges), which local segments continue
+a sequence from an earlier piece (they need a folded initial state and conv halo tokens), and
+which continue into a later piece (they export their affine state map ``[H | M]``).
+
+Layouts (``megatron.core.utils.get_batch_on_this_cp_rank``):
+
+* ``contiguous``      rank r holds tokens ``[rT/W, (r+1)T/W)`` of the stream.
+* ``zigzag``          per-sequence balancing: the stream is cut into 2W chunks, rank r holds
+                      chunks r and 2W-1-r (Megatron's layout when cu_seqlens is None).
+* ``zigzag_per_doc``  per-document balancing: every document (of the padded cu_seqlens) is cut
+                      into 2W chunks, rank r holds chunks r and 2W-1-r of each, in document order.
+                      Also the layout of a ``[b, s]`` batch split per row, with documents = rows.
+
+Plans are built on the CPU from Python ints, once per (cu_seqlens, layout, W, r) and cached,
+so the hot path does no device sync.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag", "zigzag_per_doc")
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A local segment that continues a sequence across pieces.
+
+    ``sources`` are (rank, slot) in the all-gathered exchange buffer, ordered so that a fold
+    ``S = M_j S + H_j`` over them runs along the recurrence (forward: from the sequence start up
+    to this piece; backward: from the sequence end down to this piece).
+    """
+    segment: int
+    seq: int
+    sources: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class KCPPlan:
+    world_size: int
+    rank: int
+    layout: str
+    num_seqs: int                                   # global sequences
+    pieces: tuple[tuple[int, int], ...]             # this rank's [start, end), local order
+    cu_seqlens: tuple[int, ...]                     # local segments, local token offsets
+    seg_seq: tuple[int, ...]                        # global sequence of each local segment
+    send_fwd: tuple[int, ...]                       # segments exporting [H|M] (a last segment that continues)
+    send_bwd: tuple[int, ...]                       # segments exporting [dH|M^T] (a first segment that continues)
+    recv_fwd: tuple[Chain, ...]                     # segments whose initial state is folded
+    recv_bwd: tuple[Chain, ...]                     # segments whose final-state gradient is folded
+    num_slots_fwd: int                              # exchange buffer slots per rank (max over ranks; 0: no exchange)
+    num_slots_bwd: int
+    conv_kernel_size: int
+    halo_src: tuple[tuple[int, int, int], ...]      # per halo row: (rank, piece, tail row) or (-1, 0, 0) = zero
+    num_pieces: int                                 # pieces per rank (equal on all ranks)
+
+    @property
+    def num_local_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def halo_len(self) -> int:
+        return self.conv_kernel_size - 1
+
+    def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
+        return _as_tensor(self.cu_seqlens, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _as_tensor_cached(values: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _as_tensor(values, device=None) -> torch.Tensor:
+    return _as_tensor_cached(tuple(values), str(torch.device("cpu") if device is None else device))
+
+
+def check_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
+    """cu_seqlens as a tuple of ints, validated; names the fix on bad input."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:   # Megatron keeps a (1, n) batch dim
+            cu_seqlens = cu_seqlens[0]
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
+                             f"and dtype {cu_seqlens.dtype}")
+        cu_seqlens = cu_seqlens.tolist()   # one sync at plan build; pass a CPU tensor to avoid it
+    cu = tuple(int(x) for x in cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {list(cu[:4])}...: "
+                         "prepend 0 (cu_seqlens = [0, len_0, len_0 + len_1, ...])")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        i = next(i for i, (a, b) in enumerate(zip(cu, cu[1:])) if b <= a)
+        raise ValueError(f"cu_seqlens must be strictly increasing, but cu_seqlens[{i}]={cu[i]} >= "
+                         f"cu_seqlens[{i + 1}]={cu[i + 1]}: drop empty sequences")
+    return cu
+
+
+def layout_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int) -> list[tuple[int, int]]:
+    """This rank's pieces of the global stream, in local order; raises if the layout can't split it."""
+    total, W = cu[-1], world_size
+    if layout == "contiguous":
+        if total % W:
+            raise ValueError(f"{total} tokens cannot be split over {W} CP ranks by the contiguous layout: "
+                             f"pad the packed sequence to a multiple of {W}")
+        n = total // W
+        return [(rank * n, (rank + 1) * n)]
+    if layout == "zigzag":
+        docs = [(0, total)]
+    elif layout == "zigzag_per_doc":
+        docs = list(zip(cu[:-1], cu[1:]))
+    else:
+        raise ValueError(f"unknown CP layout {layout!r}: choose one of {LAYOUTS}")
+    pieces = []
+    for s, e in docs:
+        if (e - s) % (2 * W):
+            what = "the packed sequence" if layout == "zigzag" else f"document [{s}, {e})"
+            raise ValueError(f"{what} has {e - s} tokens, not a multiple of 2*CP = {2 * W} as the {layout} "
+                             f"layout needs: pad it (Megatron: --pad-to-multiple / cu_seqlens_padded)")
+        c = (e - s) // (2 * W)
+        pieces += [(s + rank * c, s + (rank + 1) * c), (s + (2 * W - 1 - rank) * c, s + (2 * W - rank) * c)]
+    return pieces
+
+
+def _segments(pieces, cu):
+    """Local segments: (piece index, global start, global end, global sequence)."""
+    segs = []
+    for p, (s, e) in enumerate(pieces):
+        n = bisect.bisect_right(cu, s) - 1
+        while s < e:
+            end = min(e, cu[n + 1])
+            segs.append((p, s, end, n))
+            s, n = end, n + 1
+    return segs
+
+
+@functools.lru_cache(maxsize=32)
+def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: int,
+               conv_kernel_size: int = 1) -> KCPPlan:
+    """The KCP plan of ``rank``; cached on its (hashable) arguments."""
+    cu = check_cu_seqlens(cu_seqlens)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"CP rank {rank} is outside the CP group of size {world_size}")
+    if conv_kernel_size < 1:
+        raise ValueError(f"conv kernel size must be >= 1, got {conv_kernel_size}")
+    W = world_size
+    all_pieces = [layout_pieces(layout, cu, W, r) for r in range(W)]
+    all_segs = [_segments(p, cu) for p in all_pieces]
+
+    def first_seg(r, p):
+        return next(s for s in all_segs[r] if s[0] == p)
+
+    def last_seg(r, p):
+        return next(s for s in reversed(all_segs[r]) if s[0] == p)
+
+    # exchange slots: forward exports each piece's continuing last segment, backward its continuing first
+    slots_fwd, slots_bwd = [], []
+    for r in range(W):
+        fwd, bwd = {}, {}
+        for p, (s, e) in enumerate(all_pieces[r]):
+            _, _, se, n = last_seg(r, p)
+            if se == e and e < cu[n + 1]:
+                fwd[p] = len(fwd)
+            _, ss, _, n = first_seg(r, p)
+            if ss == s and s > cu[n]:
+                bwd[p] = len(bwd)
+        slots_fwd.append(fwd)
+        slots_bwd.append(bwd)
+
+    # every piece in global order, to walk a sequence across pieces
+    order = sorted((s, e, r, p) for r in range(W) for p, (s, e) in enumerate(all_pieces[r]))
+    starts = [o[0] for o in order]
+
+    def pieces_between(lo, hi):
+        """Pieces overlapping [lo, hi), in global order."""
+        i = bisect.bisect_right(starts, lo) - 1
+        out = []
+        while i < len(order) and order[i][0] < hi:
+            out.append(order[i])
+            i += 1
+        return out
+
+    pieces = all_pieces[rank]
+    segs = all_segs[rank]
+    seg_index = {(p, s): i for i, (p, s, _, _) in enumerate(segs)}
+    recv_fwd, recv_bwd, send_fwd, send_bwd = [], [], [], []
+    for p, (s, e) in enumerate(pieces):
+        _, ss, _, n = first_seg(rank, p)
+        if p in slots_bwd[rank]:
+            send_bwd.append(seg_index[(p, ss)])
+        if ss == s and s > cu[n]:
+            src = tuple((r, slots_fwd[r][q]) for _, _, r, q in pieces_between(cu[n], s))
+            recv_fwd.append(Chain(seg_index[(p, ss)], n, src))
+        _, ls, le, n = last_seg(rank, p)
+        if p in slots_fwd[rank]:
+            send_fwd.append(seg_index[(p, ls)])
+        if le == e and e < cu[n + 1]:
+            src = tuple((r, slots_bwd[r][q]) for _, _, r, q in reversed(pieces_between(e, cu[n + 1])))
+            recv_bwd.append(Chain(seg_index[(p, ls)], n, src))
+
+    # conv halo: the kernel_size-1 tokens before each piece, from the tails of earlier pieces
+    halo = []
+    hl = conv_kernel_size - 1
+    for p, (s, e) in enumerate(pieces):
+        n = bisect.bisect_right(cu, s) - 1
+        for x in range(s - hl, s):
+            if x < cu[n]:
+                halo.append((-1, 0, 0))
+                continue
+            _, pe, r, q = order[bisect.bisect_right(starts, x) - 1]
+            halo.append((r, q, hl - (pe - x)))       # tail rows hold the last hl tokens of a piece
+
+    local = [0]
+    for _, a, b, _ in segs:
+        local.append(local[-1] + b - a)
+    return KCPPlan(
+        world_size=W, rank=rank, layout=layout, num_seqs=len(cu) - 1, pieces=tuple(pieces),
+        cu_seqlens=tuple(local), seg_seq=tuple(n for *_, n in segs),
+        send_fwd=tuple(send_fwd), send_bwd=tuple(send_bwd),
+        recv_fwd=tuple(recv_fwd), recv_bwd=tuple(recv_bwd),
+        num_slots_fwd=max(len(x) for x in slots_fwd),
+        num_slots_bwd=max(len(x) for x in slots_bwd),
+        conv_kernel_size=conv_kernel_size, halo_src=tuple(halo), num_pieces=len(pieces),
+    )
+
+
+def local_token_index(plan: KCPPlan) -> torch.Tensor:
+    """Global stream position of every local token (to shard a global tensor in tests and tools)."""
+    return torch.cat([torch.arange(s, e) for s, e in plan.pieces])
+
+
+def cp_group_from_megatron():
+    """(group, world_size, rank) of Megatron's context-parallel group; a clear error if there is none."""
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("KCP needs Megatron's CP process group, but megatron.core.parallel_state is not "
+                           "initialised: call parallel_state.initialize_model_parallel(context_parallel_size=...) "
+                           "(pretrain_gpt.py does this) or pass group=")
+    return ps.get_context_parallel_group(), ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def plan_for_cp_group(cu_seqlens, layout: str = "contiguous", conv_kernel_size: int = 1, group=None) -> KCPPlan:
+    """The plan of this process in ``group`` (default: Megatron's CP group)."""
+    if group is None:
+        group, world_size, rank = cp_group_from_megatron()
+    else:
+        import torch.distributed as dist
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return build_plan(check_cu_seqlens(cu_seqlens), layout, world_size, rank, conv_kernel_size)

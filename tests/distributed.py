@@ -1,0 +1,57 @@
+"""Multi-process test harness in the spirit of Megatron's ``tests/unit_tests/test_utilities.Utils``.
+
+``spawn(fn, world_size, *args, tp=1)`` starts ``world_size`` processes (gloo on CPU, NCCL on CUDA
+when enough GPUs are present), initialises ``megatron.core.parallel_state`` with the given TP size
+and CP = world_size / tp, runs ``fn(*args)`` on every rank and re-raises the first failure.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, tp, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    from megatron.core import parallel_state as ps
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world_size // tp)
+        fn(*args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, tp: int = 1, backend: str | None = None):
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(world_size, _free_port(), backend, tp, fn, args, errors),
+                           nprocs=world_size, join=True, start_method="spawn")
+    except mp.ProcessRaisedException:
+        raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,69 @@
+"""The CP plan: layouts, segments, chains, halos, and the errors bad input gets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_kcp.parallel.plan import build_plan, check_cu_seqlens, local_token_index, plan_for_cp_group
+
+
+@pytest.mark.parametrize("layout,pieces", [
+    ("contiguous", [[(0, 6)], [(6, 12)]]),
+    ("zigzag", [[(0, 3), (9, 12)], [(3, 6), (6, 9)]]),
+    ("zigzag_per_doc", [[(0, 1), (3, 4), (4, 6), (10, 12)], [(1, 2), (2, 3), (6, 8), (8, 10)]]),
+])
+def test_layout_pieces(layout, pieces):
+    for r in range(2):
+        assert [list(p) for p in build_plan((0, 4, 12), layout, 2, r).pieces] == [list(p) for p in pieces[r]]
+
+
+def test_every_token_held_once():
+    cu = (0, 8, 40, 48)
+    for layout in ("contiguous", "zigzag", "zigzag_per_doc"):
+        idx = torch.cat([local_token_index(build_plan(cu, layout, 4, r)) for r in range(4)])
+        assert sorted(idx.tolist()) == list(range(48))
+
+
+def test_chains_single_sequence_zigzag():
+    # one sequence over 2 ranks, zigzag: chunk order 0 (r0), 1 (r1), 2 (r1), 3 (r0)
+    p0, p1 = (build_plan((0, 8), "zigzag", 2, r) for r in range(2))
+    assert p0.cu_seqlens == (0, 2, 4) and p0.seg_seq == (0, 0)
+    assert [c.sources for c in p0.recv_fwd] == [((0, 0), (1, 0), (1, 1))]   # back piece folds r0, r1, r1
+    # backward folds from the sequence end: chunk 1 <- chunks 3 (r0), 2 (r1); chunk 2 <- chunk 3
+    assert [c.sources for c in p1.recv_bwd] == [((0, 0), (1, 1)), ((0, 0),)]
+    assert [c.segment for c in p0.recv_bwd] == [0] and p0.recv_fwd[0].segment == 1
+
+
+def test_halo_spans_ranks_when_pieces_are_short():
+    # pieces of 1 token, kernel 4: rank 3's halo comes from ranks 0, 1, 2
+    plan = build_plan((0, 4), "contiguous", 4, 3, conv_kernel_size=4)
+    assert plan.halo_src == ((0, 0, 2), (1, 0, 2), (2, 0, 2))
+    plan = build_plan((0, 2, 4), "contiguous", 4, 3, conv_kernel_size=4)
+    assert plan.halo_src == ((-1, 0, 0), (-1, 0, 0), (2, 0, 2))          # never across a sequence start
+
+
+@pytest.mark.parametrize("cu,match", [
+    ((1, 8), "start at 0"),
+    ((0, 8, 8, 16), "strictly increasing"),
+    ((0, 9, 4), "strictly increasing"),
+    (torch.tensor([0.0, 8.0]), "integer"),
+])
+def test_bad_cu_seqlens(cu, match):
+    with pytest.raises(ValueError, match=match):
+        check_cu_seqlens(cu)
+
+
+@pytest.mark.parametrize("layout,cu,match", [
+    ("contiguous", (0, 10), "multiple of 4"),
+    ("zigzag", (0, 12), "multiple of 2\\*CP = 8"),
+    ("zigzag_per_doc", (0, 8, 12), "document \\[8, 12\\)"),
+    ("ring", (0, 8), "unknown CP layout"),
+])
+def test_bad_layout_split(layout, cu, match):
+    with pytest.raises(ValueError, match=match):
+        build_plan(cu, layout, 4, 0)
+
+
+def test_missing_cp_group():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        plan_for_cp_group((0, 8))
