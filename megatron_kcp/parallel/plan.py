@@ -48,7 +48,7 @@ class KCPPlan:
     world_size: int
     rank: int
     layout: str
-    num_seqs: int                                   # global sequences
+    global_cu_seqlens: tuple[int, ...]              # the packed global stream
     pieces: tuple[tuple[int, int], ...]             # this rank's [start, end), local order
     cu_seqlens: tuple[int, ...]                     # local segments, local token offsets
     seg_seq: tuple[int, ...]                        # global sequence of each local segment
@@ -61,6 +61,10 @@ class KCPPlan:
     conv_kernel_size: int
     halo_src: tuple[tuple[int, int, int], ...]      # per halo row: (rank, piece, tail row) or (-1, 0, 0) = zero
     num_pieces: int                                 # pieces per rank (equal on all ranks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.global_cu_seqlens) - 1
 
     @property
     def num_local_tokens(self) -> int:
@@ -76,7 +80,7 @@ class KCPPlan:
 
 @functools.lru_cache(maxsize=64)
 def _as_tensor_cached(values: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _as_tensor(values, device=None) -> torch.Tensor:
@@ -221,7 +225,7 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
     for _, a, b, _ in segs:
         local.append(local[-1] + b - a)
     return KCPPlan(
-        world_size=W, rank=rank, layout=layout, num_seqs=len(cu) - 1, pieces=tuple(pieces),
+        world_size=W, rank=rank, layout=layout, global_cu_seqlens=cu, pieces=tuple(pieces),
         cu_seqlens=tuple(local), seg_seq=tuple(n for *_, n in segs),
         send_fwd=tuple(send_fwd), send_bwd=tuple(send_bwd),
         recv_fwd=tuple(recv_fwd), recv_bwd=tuple(recv_bwd),

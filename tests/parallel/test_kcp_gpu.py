@@ -1,0 +1,95 @@
+"""GPU: fla's kernels against the reference, and KCP over NCCL ranks against one GPU (skip without CUDA)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_kcp.ops import kcp
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan
+from tests.distributed import rel_err, spawn
+from tests.parallel.cases import random_cu_seqlens, random_inputs, shard
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+H, HV, K, V, KS = 4, 4, 128, 128, 4
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _problem(seed, layout, W, kind, kda, dtype, device):
+    gen = torch.Generator().manual_seed(seed)
+    cu = random_cu_seqlens(gen, layout, W, kind)
+    if kind != "tiny":          # GPU tests use longer pieces: several 64-token chunks per rank
+        cu = tuple(c * 16 for c in cu)
+    xs = random_inputs(gen, cu[-1], len(cu) - 1, H, HV, K, V, kda, dtype=dtype, device=device)[:5]
+    conv_x = torch.randn(1, cu[-1], 64, generator=gen).to(device=device, dtype=dtype)
+    conv_w = (torch.randn(64, KS, generator=gen) * 0.5).to(device=device, dtype=dtype)
+    do = torch.randn(1, cu[-1], HV, V, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn_like(conv_x)
+    return cu, xs, conv_x, conv_w, do, dy
+
+
+def _run(plan, group, xs, conv_x, conv_w, do, dy, backend):
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    cx, cw = conv_x.detach().clone().requires_grad_(), conv_w.detach().clone().requires_grad_()
+    o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend)
+    y = kcp.causal_conv1d(cx, cw, None, "silu", plan=plan, group=group, backend=backend)
+    grads = torch.autograd.grad((o, y), xs + [cx, cw], (do, dy))
+    return [o, y, *grads]
+
+
+NAMES = ["o", "conv_y", "dq", "dk", "dv", "dg", "dbeta", "dconv_x", "dconv_w"]
+
+
+@pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kda", [False, True])
+def test_fla_matches_reference(kda, dtype):
+    cu, xs, cx, cw, do, dy = _problem(1, "contiguous", 1, "random", kda, dtype, "cuda")
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    fla = _run(plan, None, xs, cx, cw, do, dy, "fla")
+    ref = _run(plan, None, xs, cx, cw, do, dy, "reference")
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, fla, ref)}
+    assert all(e <= TOL[dtype] for e in errs.values()), errs
+
+
+def _cp_vs_single(layout, kinds, dtype_name, out_dir):
+    from megatron.core import parallel_state as ps
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    dtype = getattr(torch, dtype_name)
+    lines = []
+    for i, kind in enumerate(kinds):
+        for kda in (False, True):
+            cu, xs, cx, cw, do, dy = _problem(100 + i, layout, W, kind, kda, dtype, "cuda")
+            single = _run(build_plan(cu, "contiguous", 1, 0, KS), None, xs, cx, cw, do, dy, "fla")
+            plan = build_plan(cu, layout, W, r, KS)
+            loc = shard(plan, *xs, cx, do, dy)
+            cp = _run(plan, group, loc[:5], loc[5], cw, loc[6], loc[7], "fla")
+            errs = {}
+            for n, a, b in zip(NAMES, cp, single):
+                if n == "dconv_w":
+                    dist.all_reduce(a, group=group)
+                else:
+                    b = shard(plan, b)[0] if b.dim() >= 3 else b
+                errs[n] = rel_err(a, b)
+            worst = torch.tensor(list(errs.values()), device="cuda")
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            errs = dict(zip(NAMES, worst.tolist()))
+            lines.append(f"W={W} {layout:15s} {kind:7s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
+                         f"nseq={len(cu) - 1:2d} max_rel_err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()))
+            assert max(errs.values()) <= TOL[dtype], lines[-1]
+    if r == 0 and out_dir:
+        with open(os.path.join(out_dir, f"cp_gpu_W{W}_{layout}_{dtype_name}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cp_matches_single_gpu(layout, dtype, world_size):
+    if NGPU < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs")
+    spawn(_cp_vs_single, world_size, layout, ("random", "single", "edges", "tiny"), dtype,
+          os.environ.get("KCP_EVIDENCE_DIR"))
