@@ -14,6 +14,6 @@ if [ -f .tcache.tar.gz ]; then tar -xzf .tcache.tar.gz -C "$TRITON_CACHE_DIR" 2>
 } | tee "$OUT/versions.txt"
 export KCP_EVIDENCE_DIR="$OUT"
 t0=$SECONDS
-timeout "${KCP_TEST_TIMEOUT:-520}" python -m pytest -x -q -p no:cacheprovider tests/parallel/test_kcp_gpu.py ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout "${KCP_TEST_TIMEOUT:-520}" python -m pytest -q -s -rA -p no:cacheprovider ${KCP_PYTEST_ARGS:-} tests/parallel/test_kcp_gpu.py ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 echo "gpu tests: $((SECONDS - t0)) s"
-tar -czf "$OUT/tcache.tar.gz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; ls -la "$OUT"
+[ -n "${KCP_SAVE_TCACHE:-}" ] && tar -czf "$OUT/tcache.tar.gz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; ls -la "$OUT"
