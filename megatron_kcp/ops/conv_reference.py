@@ -91,8 +91,10 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
     if plan.halo_len:
         parts.append(HaloExchange.apply(x2, plan, group))
     parts.append(x2.new_zeros(1, x2.shape[1]))
-    xe = torch.cat(parts)[taps.to(x.device)]               # [T, ks, D]
-    y = torch.einsum('tjd,dj->td', xe, weight.to(xe.dtype))
+    xe = torch.cat(parts)
+    taps = taps.to(x.device)
+    # one gathered [T, D] view per tap, never the [T, ks, D] window tensor
+    y = sum(xe[taps[:, j]] * weight[:, j].to(xe.dtype) for j in range(taps.shape[1]))
     if bias is not None:
         y = y + bias
     if activation in ("silu", "swish"):

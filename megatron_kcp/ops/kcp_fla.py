@@ -105,6 +105,12 @@ def _call(q, k, v, g, beta, scale, l2, **kw):
 
 
 def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
+    # piece lengths are equal on all ranks in every layout, so every rank takes the same branch
+    if any(e - s < plan.halo_len for s, e in plan.pieces) and plan.world_size > 1:
+        # fla's conv CP takes its halo from the neighbouring rank only; shorter pieces need
+        # tokens from several ranks, which the generic halo exchange provides
+        from megatron_kcp.ops import conv_reference
+        return conv_reference.causal_conv1d(x, weight, bias, activation, plan, group)
     if plan.world_size == 1:
         from fla.modules.causal_conv1d import causal_conv1d as conv
         y, _ = conv(x, weight, bias, activation=activation, cu_seqlens=plan.cu_seqlens_tensor(x.device),
