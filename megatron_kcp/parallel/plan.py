@@ -74,6 +74,24 @@ class KCPPlan:
     def halo_len(self) -> int:
         return self.conv_kernel_size - 1
 
+    @property
+    def pre_num_ranks(self) -> int:
+        """Earlier ranks holding part of this rank's first sequence."""
+        c = next((c for c in self.recv_fwd if c.segment == 0), None)
+        return 0 if c is None else len({r for r, _ in c.sources} - {self.rank})
+
+    @property
+    def post_num_ranks(self) -> int:
+        """Later ranks holding part of this rank's last sequence."""
+        last = len(self.seg_seq) - 1
+        c = next((c for c in self.recv_bwd if c.segment == last), None)
+        return 0 if c is None else len({r for r, _ in c.sources} - {self.rank})
+
+    @property
+    def num_conv_halo_tokens(self) -> int:
+        """Tokens of the same sequences this rank receives for its short conv."""
+        return sum(r >= 0 for r, _, _ in self.halo_src)
+
     def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
         return _as_tensor(self.cu_seqlens, device)
 

@@ -45,10 +45,12 @@ def test_affine_state_map():
     assert rel_err(hm[..., 8:] @ h0[0] + hm[..., :8], ht[0]) < 1e-10
 
 
-def test_cp1_equals_reference():
+@pytest.mark.parametrize("kda", [False, True])
+def test_cp1_equals_reference(kda):
+    """World size 1 runs the same KCP machinery (no exchange) and equals the plain reference."""
     gen = torch.Generator().manual_seed(11)
     cu = (0, 3, 90, 96)
-    xs = [x.requires_grad_() for x in random_inputs(gen, 96, 3, 2, 2, 8, 8, kda=False)]
+    xs = [x.requires_grad_() for x in random_inputs(gen, 96, 3, 2, 2, 8, 8, kda=kda)]
     plan = build_plan(cu, "contiguous", 1, 0, 4)
     o = kcp.gated_delta_rule(*xs[:5], plan, initial_state=xs[5], backend="reference")
     o_ref, _ = R.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=torch.tensor(cu))

@@ -34,6 +34,14 @@ def test_chains_single_sequence_zigzag():
     assert [c.segment for c in p0.recv_bwd] == [0] and p0.recv_fwd[0].segment == 1
 
 
+def test_rank_counts():
+    # 4 ranks x 8 tokens, sequences [0, 5) [5, 30) [30, 32): rank 1 continues seq 1 from rank 0 and
+    # hands it on to ranks 2 and 3; it receives 3 conv tokens
+    plans = [build_plan((0, 5, 30, 32), "contiguous", 4, r, conv_kernel_size=4) for r in range(4)]
+    assert [(p.pre_num_ranks, p.post_num_ranks, p.num_conv_halo_tokens) for p in plans] == \
+        [(0, 3, 0), (1, 2, 3), (2, 1, 3), (3, 0, 3)]
+
+
 def test_halo_spans_ranks_when_pieces_are_short():
     # pieces of 1 token, kernel 4: rank 3's halo comes from ranks 0, 1, 2
     plan = build_plan((0, 4), "contiguous", 4, 3, conv_kernel_size=4)

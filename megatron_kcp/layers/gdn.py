@@ -1,0 +1,71 @@
+"""Gated DeltaNet mixer with KCP: megatron-core's ``GatedDeltaNet`` without the all-to-all.
+
+Subclassing keeps parameters, names, shapes, initialisation and ``sharded_state_dict``
+identical to megatron-core 0.19's module, so checkpoints move freely between the two. What
+changes is the forward: every CP rank keeps its sequence shard and all of its TP heads (the
+parent's head math runs with ``cp_size = 1``), the short conv takes its halo from earlier ranks
+and the gated delta rule exchanges affine state maps (``megatron_kcp.ops.kcp``). CP size is
+therefore not bounded by the head count.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+from megatron_kcp.ops import kcp
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM, plan_for_cp_group
+
+
+def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: int, cp_size: int,
+                conv_kernel_size: int, group):
+    """The KCP plan of Megatron's batch: THD packs documents per-document-zigzag (cu_seqlens_padded
+    when given); a ``[s, b]`` batch is b rows, each split zigzag over CP (or whole at CP=1)."""
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if batch != 1:
+            raise ValueError(f"THD packed sequences need micro batch size 1, got {batch}")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+    else:
+        cu = torch.arange(batch + 1) * (seq_len * cp_size)
+    layout = "zigzag_per_doc" if cp_size > 1 else "contiguous"
+    return plan_for_cp_group(cu, layout, conv_kernel_size, group)
+
+
+class KCPGatedDeltaNet(GatedDeltaNet):
+    """``GatedDeltaNet`` with Kimi Context Parallel; same constructor and checkpoint format."""
+
+    def _setup_variant_attrs(self):
+        # heads stay whole on every CP rank: the parent's head math must not divide by CP
+        self.kcp_group = self.pg_collection.cp
+        self.kcp_size = self.cp_size
+        self.cp_size = 1
+        for name, dim in (("linear_key_head_dim", self.key_head_dim), ("linear_value_head_dim", self.value_head_dim)):
+            if dim > MAX_HEAD_DIM:
+                raise ValueError(f"{name}={dim}: the chunked kernels support head dims up to {MAX_HEAD_DIM}")
+        super()._setup_variant_attrs()
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("KCPGatedDeltaNet is a training module; inference is not supported")
+        qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
+        s, b, _ = qkvzba.shape
+        plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group)
+        # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
+        qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
+        qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
+        gate = gate.reshape(1, b * s, -1, self.value_head_dim)
+        qkv = kcp.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
+                                self.activation, plan=plan, group=self.kcp_group)
+        q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
+        q, k = (x.reshape(1, b * s, -1, self.key_head_dim) for x in (q, k))
+        v = v.reshape(1, b * s, -1, self.value_head_dim)
+        # the parent's decay and gated norm, written out: its fused versions need Triton / a compiler
+        g = -self.A_log.float().exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias.float())
+        # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
+        o = kcp.gated_delta_rule(q, k, v, g, beta.sigmoid(), plan, self.kcp_group, use_qk_l2norm=self.use_qk_l2norm)
+        o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
+        o = o.to(qkv.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
+        return self.out_proj(o)

@@ -1,0 +1,24 @@
+"""Lets megatron-core modules that assume a GPU be built on the CPU, for tests only.
+
+megatron-core places some parameters with ``device=torch.cuda.current_device()`` and
+initialises them under the CUDA RNG tracker; on a CPU-only machine both are redirected to the
+CPU (the tracker's fork becomes a no-op, so initialisation draws from torch's CPU generator).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _CPUTracker:
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
+def enable():
+    if torch.cuda.is_available():
+        return
+    import megatron.core.ssm.gated_delta_net.common as gdn_common
+    torch.cuda.current_device = lambda: "cpu"
+    gdn_common.get_cuda_rng_tracker = lambda *a, **k: _CPUTracker()
