@@ -20,5 +20,6 @@ def enable():
     if torch.cuda.is_available():
         return
     import megatron.core.ssm.gated_delta_net.common as gdn_common
+    import megatron.core.tensor_parallel as tp
     torch.cuda.current_device = lambda: "cpu"
-    gdn_common.get_cuda_rng_tracker = lambda *a, **k: _CPUTracker()
+    gdn_common.get_cuda_rng_tracker = tp.get_cuda_rng_tracker = lambda *a, **k: _CPUTracker()

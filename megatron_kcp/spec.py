@@ -1,0 +1,102 @@
+"""Megatron layer specs with KCP mixers: ``pretrain_gpt.py --spec megatron_kcp <name>``.
+
+Megatron's ``--spec MODULE NAME`` imports ``NAME`` from ``MODULE`` before the config exists, so the
+specs here are config-independent: every layer is one ``TransformerLayer`` whose mixer,
+:class:`HybridMixer`, becomes the linear mixer or softmax attention at construction, from
+``config.linear_attention_freq`` (N: every Nth layer is attention; or a 0/1 list, 1 = linear) and
+the global layer number. TransformerEngine modules are used when importable, Megatron's local
+ones otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+def backend_provider():
+    """TransformerEngine's spec provider when TE imports, Megatron's local one otherwise."""
+    try:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+        import transformer_engine  # noqa: F401
+        return TESpecProvider()
+    except ImportError:
+        from megatron.core.models.backends import LocalSpecProvider
+        return LocalSpecProvider()
+
+
+def is_linear_layer(config, layer_number: int) -> bool:
+    """Layer ``layer_number`` (1-based, global) is a linear mixer under ``config.linear_attention_freq``."""
+    freq = getattr(config, "linear_attention_freq", None)
+    if freq is None:
+        return True
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"linear_attention_freq={freq}: use N >= 1 (every Nth layer is softmax attention)")
+        return layer_number % freq != 0
+    pattern = list(freq)
+    if len(pattern) != config.num_layers or set(pattern) - {0, 1}:
+        raise ValueError(f"linear_attention_freq pattern {pattern} must hold num_layers={config.num_layers} "
+                         "entries of 1 (linear) or 0 (softmax attention)")
+    return bool(pattern[layer_number - 1])
+
+
+@dataclass
+class HybridMixerSubmodules:
+    linear: ModuleSpec
+    attention: ModuleSpec
+
+
+class HybridMixer(MegatronModule):
+    """Builds the linear mixer or softmax attention for this layer (see module docstring)."""
+
+    def __new__(cls, config, submodules: HybridMixerSubmodules, layer_number: int = 1, **kwargs):
+        spec = submodules.linear if is_linear_layer(config, layer_number) else submodules.attention
+        return build_module(spec, config=config, layer_number=layer_number, **kwargs)
+
+
+def gdn_mixer_spec(backend=None) -> ModuleSpec:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+
+    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
+    backend = backend or backend_provider()
+    return ModuleSpec(module=KCPGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=backend.column_parallel_linear(), out_norm=backend.layer_norm(rms_norm=True, for_qk=False),
+        out_proj=backend.row_parallel_linear()))
+
+
+def attention_spec(backend=None) -> ModuleSpec:
+    backend = backend or backend_provider()
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=SelfAttentionSubmodules(
+                          linear_qkv=backend.column_parallel_linear(), core_attention=backend.core_attention(),
+                          linear_proj=backend.row_parallel_linear()))
+
+
+def hybrid_layer_spec(linear: ModuleSpec, backend=None) -> ModuleSpec:
+    """A pre-norm TransformerLayer whose mixer is ``linear`` or attention per ``linear_attention_freq``."""
+    backend = backend or backend_provider()
+    norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm,
+        self_attention=ModuleSpec(module=HybridMixer, submodules=HybridMixerSubmodules(
+            linear=linear, attention=attention_spec(backend))),
+        self_attn_bda=_bda(),
+        pre_mlp_layernorm=norm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear())),
+        mlp_bda=_bda()))
+
+
+def _bda():
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    return get_bias_dropout_add
+
+
+# what `--spec megatron_kcp <name>` imports
+gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
