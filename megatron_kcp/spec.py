@@ -98,5 +98,6 @@ def _bda():
     return get_bias_dropout_add
 
 
-# what `--spec megatron_kcp <name>` imports
+# what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
 gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
+default_spec = gdn_hybrid_layer_spec
