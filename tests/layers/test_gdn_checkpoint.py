@@ -1,0 +1,54 @@
+"""Distributed checkpoint of the KCP GDN mixer: save at TP=2 x CP=2, load at TP=1 x CP=1 and TP=1 x CP=4."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed import rel_err, spawn
+from tests.layers.test_gdn_cpu import B, HIDDEN, S, _build, _config, _zigzag_rows
+
+
+def _full_output(mod, cp, cp_rank, group):
+    x = torch.randn(S, B, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        y, _ = mod(_zigzag_rows(x, cp, cp_rank))
+    ys = [torch.empty_like(y) for _ in range(cp)]
+    dist.all_gather(ys, y.contiguous(), group=group)
+    chunks = [None] * (2 * cp)
+    for r, yr in enumerate(ys):
+        chunks[r], chunks[2 * cp - 1 - r] = yr.chunk(2, 0)
+    return torch.cat(chunks, 0)
+
+
+def _save_or_load(ckpt_dir, out_file, tp, save):
+    import tests.megatron_cpu
+    tests.megatron_cpu.enable()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
+    cp = ps.get_context_parallel_world_size()
+    mod = _build(KCPGatedDeltaNet, _config(cp, tp), ProcessGroupCollection.use_mpu_process_groups())
+    if save:
+        dist_checkpointing.save(mod.sharded_state_dict(prefix="gdn."), ckpt_dir)
+    else:
+        for p in mod.parameters():            # nothing of the fresh init may survive the load
+            torch.nn.init.normal_(p)
+        state = dist_checkpointing.load(mod.sharded_state_dict(prefix="gdn."), ckpt_dir)
+        mod.load_state_dict({k.removeprefix("gdn."): v for k, v in state.items()})
+    y = _full_output(mod, cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group())
+    if dist.get_rank() == 0:
+        torch.save(y, out_file)
+
+
+def test_checkpoint_reshards_over_tp_and_cp(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    ckpt = str(ckpt)
+    spawn(_save_or_load, 4, ckpt, str(tmp_path / "y_tp2cp2.pt"), 2, True, tp=2)
+    spawn(_save_or_load, 1, ckpt, str(tmp_path / "y_tp1cp1.pt"), 1, False)
+    spawn(_save_or_load, 4, ckpt, str(tmp_path / "y_tp1cp4.pt"), 1, False)
+    y = {n: torch.load(tmp_path / f"y_{n}.pt") for n in ("tp2cp2", "tp1cp1", "tp1cp4")}
+    assert rel_err(y["tp1cp1"], y["tp2cp2"]) < 1e-5
+    assert rel_err(y["tp1cp4"], y["tp2cp2"]) < 1e-5
