@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # `--spec megatron_kcp` (patched Megatron) asks the package for its specs; import them lazily
     # so that the ops stay importable without building any spec
-    if name in ("default_spec", "gdn_hybrid_layer_spec"):
+    if name in ("default_spec", "gdn_hybrid_layer_spec", "kda_hybrid_layer_spec"):
         from megatron_kcp import spec
         return getattr(spec, name)
     raise AttributeError(f"module 'megatron_kcp' has no attribute {name!r}")

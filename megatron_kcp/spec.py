@@ -70,6 +70,13 @@ def gdn_mixer_spec(backend=None) -> ModuleSpec:
         out_proj=backend.row_parallel_linear()))
 
 
+def kda_mixer_spec(backend=None) -> ModuleSpec:
+    from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
+    backend = backend or backend_provider()
+    return ModuleSpec(module=KCPKimiDeltaAttention, submodules=KDASubmodules(
+        column_linear=backend.column_parallel_linear(), row_linear=backend.row_parallel_linear()))
+
+
 def attention_spec(backend=None) -> ModuleSpec:
     backend = backend or backend_provider()
     return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -100,4 +107,5 @@ def _bda():
 
 # what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
 gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
+kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
 default_spec = gdn_hybrid_layer_spec

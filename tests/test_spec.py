@@ -1,4 +1,4 @@
-"""`--spec megatron_kcp gdn_hybrid_layer_spec` builds a GPTModel with the hybrid pattern."""
+"""`--spec megatron_kcp.spec {gdn,kda}_hybrid_layer_spec` builds a GPTModel with the hybrid pattern."""
 from __future__ import annotations
 
 import pytest
@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from tests.distributed import spawn
 
 
-def _gpt(freq):
+def _gpt(freq, name="gdn_hybrid_layer_spec"):
     import tests.megatron_cpu
     tests.megatron_cpu.enable()
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import import_module
-    spec = import_module(("megatron_kcp.spec", "gdn_hybrid_layer_spec"))   # what --spec resolves to
-    cfg = TransformerConfig(
+    from megatron_kcp.layers.kda import KDAConfig
+    spec = import_module(("megatron_kcp.spec", name))   # what --spec resolves to
+    cfg = KDAConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
         normalization="RMSNorm", linear_attention_freq=freq, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, activation_func=F.silu,
@@ -24,10 +24,10 @@ def _gpt(freq):
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=64)
 
 
-def _build_and_run(freq, expected):
-    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
-    model = _gpt(freq)
-    kinds = ["gdn" if isinstance(layer.self_attention, KCPGatedDeltaNet) else "attn"
+def _build_and_run(freq, expected, name="gdn_hybrid_layer_spec"):
+    from megatron.core.transformer.attention import SelfAttention
+    model = _gpt(freq, name)
+    kinds = ["attn" if isinstance(layer.self_attention, SelfAttention) else name[:3]
              for layer in model.decoder.layers]
     assert kinds == expected
     tokens = torch.randint(0, 64, (2, 32))
@@ -45,6 +45,10 @@ def _build_and_run(freq, expected):
 ])
 def test_hybrid_gpt_model(freq, expected):
     spawn(_build_and_run, 1, freq, expected)
+
+
+def test_kda_hybrid_gpt_model():
+    spawn(_build_and_run, 1, 2, ["kda", "attn", "kda", "attn"], "kda_hybrid_layer_spec")
 
 
 def test_bad_pattern():

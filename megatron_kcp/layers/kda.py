@@ -1,0 +1,141 @@
+"""Kimi Delta Attention mixer with KCP, in megatron-core's style.
+
+Parameter names and math follow fla's ``KimiDeltaAttention`` (Kimi Linear): q/k/v projections
+with short convs, a low-rank forget-gate projection ``f_proj`` with per-key-dim ``dt_bias`` and
+per-head ``A_log``, ``b_proj`` for beta, a low-rank output gate ``g_proj``, a sigmoid-gated
+RMSNorm ``o_norm`` and ``o_proj``. Heads are split over TP; the sequence stays split over CP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_kcp.layers.gdn import packed_plan
+from megatron_kcp.ops import kcp
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+
+
+@dataclass
+class KDAConfig(TransformerConfig):
+    """TransformerConfig plus the KDA options. Heads and dims come from the ``linear_*`` fields
+    (``linear_num_key_heads`` = q/k heads, ``linear_num_value_heads`` = v heads, head dims, conv)."""
+    kda_gate_rank: int | None = None
+    """Rank of the low-rank f_proj / g_proj bottlenecks; default the value head dim (as fla)."""
+    kda_norm_eps: float = 1e-5
+
+
+@dataclass
+class KDASubmodules:
+    column_linear: ModuleSpec | type
+    row_linear: ModuleSpec | type
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """fla's ``FusedRMSNormGated`` with sigmoid: rmsnorm(x) * weight * sigmoid(gate), in fp32."""
+
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KCPKimiDeltaAttention(MegatronModule):
+    def __init__(self, config: TransformerConfig, submodules: KDASubmodules, layer_number: int = 1,
+                 pg_collection=None, **kwargs):
+        super().__init__(config)
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.layer_number, self.pg_collection = layer_number, pg_collection
+        tp = pg_collection.tp.size()
+        self.H, self.HV = config.linear_num_key_heads, config.linear_num_value_heads
+        self.K, self.V = config.linear_key_head_dim, config.linear_value_head_dim
+        self.conv_size = config.linear_conv_kernel_dim
+        for what, n in (("linear_num_key_heads", self.H), ("linear_num_value_heads", self.HV)):
+            if n % tp:
+                raise ValueError(f"{what}={n} must be divisible by the tensor-parallel size {tp}")
+        if self.HV % self.H:
+            raise ValueError(f"linear_num_value_heads={self.HV} must be a multiple of linear_num_key_heads={self.H}")
+        if max(self.K, self.V) > MAX_HEAD_DIM:
+            raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}")
+        rank = getattr(config, "kda_gate_rank", None) or self.V
+        if rank % tp:
+            raise ValueError(f"kda_gate_rank={rank} must be divisible by the tensor-parallel size {tp}")
+        eps = getattr(config, "kda_norm_eps", 1e-5)
+        self.h_loc, self.hv_loc = self.H // tp, self.HV // tp
+
+        def col(name, n_in, n_out, gather=False, bias=False):
+            return build_module(submodules.column_linear, n_in, n_out, config=config, init_method=config.init_method,
+                                gather_output=gather, bias=bias, skip_bias_add=False, is_expert=False,
+                                tp_comm_buffer_name=name, tp_group=pg_collection.tp)
+
+        hid = config.hidden_size
+        self.q_proj = col("q_proj", hid, self.H * self.K)
+        self.k_proj = col("k_proj", hid, self.H * self.K)
+        self.v_proj = col("v_proj", hid, self.HV * self.V)
+        dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        for name, dim in (("q_conv1d", self.h_loc * self.K), ("k_conv1d", self.h_loc * self.K),
+                          ("v_conv1d", self.hv_loc * self.V)):
+            conv = torch.nn.Conv1d(dim, dim, self.conv_size, groups=dim, bias=False, device=dev,
+                                   dtype=config.params_dtype)
+            conv.weight.tensor_model_parallel, conv.weight.partition_dim = True, 0
+            setattr(self, name, conv)
+        # low-rank bottlenecks: the rank-r activations are gathered, so the second factor sees all of them
+        self.f_proj = torch.nn.Sequential(col("f_proj0", hid, rank, gather=True), col("f_proj1", rank, self.HV * self.K))
+        self.b_proj = col("b_proj", hid, self.HV)
+        self.g_proj = torch.nn.Sequential(col("g_proj0", hid, rank, gather=True),
+                                          col("g_proj1", rank, self.HV * self.V, bias=True))
+        self.A_log = torch.nn.Parameter(torch.empty(self.hv_loc, device=dev, dtype=torch.float32))
+        self.dt_bias = torch.nn.Parameter(torch.empty(self.hv_loc * self.K, device=dev, dtype=torch.float32))
+        for p in (self.A_log, self.dt_bias):
+            p.tensor_model_parallel, p.partition_dim, p._no_weight_decay = True, 0, True
+        self.o_norm = GatedRMSNorm(self.V, eps, dtype=config.params_dtype, device=dev)
+        self.o_proj = build_module(submodules.row_linear, self.HV * self.V, hid, config=config,
+                                   init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+                                   skip_bias_add=True, is_expert=False, tp_comm_buffer_name="o_proj",
+                                   tp_group=pg_collection.tp)
+        self.reset_kda_parameters()
+
+    @torch.no_grad()
+    def reset_kda_parameters(self):
+        """fla's initialisation: A ~ U(1, 16) in log space, dt ~ logU(1e-3, 1e-1) through inverse softplus."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = (torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).exp().clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            torch.nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **kwargs):
+        if inference_context is not None:
+            raise NotImplementedError("KCPKimiDeltaAttention is a training module; inference is not supported")
+        q, k, v, f_low, b, g_low = (m(hidden_states)[0] for m in (
+            self.q_proj, self.k_proj, self.v_proj, self.f_proj[0], self.b_proj, self.g_proj[0]))
+        s, bsz = q.shape[:2]
+        cp_group = self.pg_collection.cp
+        plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group)
+        T = bsz * s
+
+        def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
+            return x.transpose(0, 1).reshape(1, T, -1)
+
+        q, k, v = (kcp.causal_conv1d(stream(x), conv.weight.squeeze(1), None, "silu", plan=plan, group=cp_group)
+                   for x, conv in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
+        f = stream(self.f_proj[1](f_low)[0]).view(1, T, self.hv_loc, self.K)
+        g = -self.A_log.exp()[:, None] * F.softplus(f.float() + self.dt_bias.view(self.hv_loc, self.K))
+        beta = stream(b).sigmoid()
+        o = kcp.gated_delta_rule(q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K),
+                                 v.view(1, T, self.hv_loc, self.V), g, beta, plan, cp_group, use_qk_l2norm=True)
+        gate = stream(self.g_proj[1](g_low)[0]).view(1, T, self.hv_loc, self.V)
+        o = self.o_norm(o, gate).reshape(bsz, s, -1).transpose(0, 1).contiguous()
+        return self.o_proj(o)
