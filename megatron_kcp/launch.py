@@ -1,0 +1,133 @@
+"""Build, check and run the torchrun command that trains a preset with Megatron-LM's pretrain_gpt.py.
+
+    python -m megatron_kcp.launch configs/tiny-gdn.json --cp 4 --megatron-lm ~/Megatron-LM --dry-run
+    python -m megatron_kcp.launch configs/qwen3-next-gdn.json --nnodes 2 --nproc-per-node 8 --tp 2 --cp 8 \\
+        --master-addr node0 --node-rank 0 --megatron-lm ~/Megatron-LM -- --train-iters 100
+
+Inconsistent sizes (world size, heads, sequence length) fail here, before any process starts.
+Arguments after ``--`` go to pretrain_gpt.py unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+
+MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "seq_length", "vocab_size")
+
+
+def load_preset(path: str | Path) -> dict:
+    preset = json.loads(Path(path).read_text())
+    unknown = set(preset) - set(MODEL_KEYS) - {"_doc", "spec"}
+    if unknown:
+        raise ValueError(f"{path}: unknown preset keys {sorted(unknown)}; allowed: {MODEL_KEYS}")
+    return preset
+
+
+def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_parallel: bool) -> int:
+    """Data-parallel size for this layout; ValueError naming the fix otherwise."""
+    if world % (tp * cp * pp):
+        raise ValueError(f"world size {world} is not a multiple of TP*CP*PP = {tp}*{cp}*{pp}: change "
+                         "--nproc-per-node/--nnodes or the parallel sizes")
+    for key in ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"):
+        if key in p and p[key] % tp:
+            raise ValueError(f"{key}={p[key]} is not divisible by --tp {tp}")
+    if p["linear_num_value_heads"] % p["linear_num_key_heads"]:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    for key in ("linear_key_head_dim", "linear_value_head_dim"):
+        if p[key] > MAX_HEAD_DIM:
+            raise ValueError(f"{key}={p[key]} exceeds the kernels' limit of {MAX_HEAD_DIM}")
+    if p["num_layers"] % pp:
+        raise ValueError(f"num_layers={p['num_layers']} is not divisible by --pp {pp}")
+    unit = 2 * cp if cp > 1 else 1               # Megatron's zigzag split of every sequence
+    if sequence_parallel and tp > 1:
+        unit *= tp
+    if p["seq_length"] % unit:
+        raise ValueError(f"seq_length={p['seq_length']} must be a multiple of {unit} "
+                         f"(2*CP{' * TP for sequence parallelism' if sequence_parallel and tp > 1 else ''})")
+    return world // (tp * cp * pp)
+
+
+def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -> list[str]:
+    args = ["--spec", "megatron_kcp.spec", p.get("spec", "gdn_hybrid_layer_spec")]
+    for key in MODEL_KEYS:
+        if key in p and key not in ("vocab_size",):
+            args += [f"--{key.replace('_', '-')}", str(p[key])]
+    if "num_query_groups" in p:
+        args.append("--group-query-attention")
+    args += ["--max-position-embeddings", str(p["seq_length"]), "--vocab-size", str(p["vocab_size"]),
+             "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+             "--pipeline-model-parallel-size", str(pp),
+             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--micro-batch-size", "1", "--lr", "3e-4", "--min-lr", "3e-5",
+             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1"]
+    if sequence_parallel and tp > 1:
+        args.append("--sequence-parallel")
+    return args
+
+
+def build_command(a) -> list[str]:
+    preset = load_preset(a.preset)
+    world = a.nnodes * a.nproc_per_node
+    dp = check_sizes(preset, world, a.tp, a.cp, a.pp, a.sequence_parallel)
+    script = Path(a.megatron_lm).expanduser() / "pretrain_gpt.py" if a.megatron_lm else Path("pretrain_gpt.py")
+    run = ["torchrun", f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}"]
+    if a.nnodes > 1:
+        if not a.master_addr:
+            raise ValueError("multi-node runs need --master-addr (or MASTER_ADDR) of the rank-0 node")
+        run += [f"--node-rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}"]
+    cmd = run + [str(script)] + megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel) + a.extra
+    if "--global-batch-size" not in a.extra:          # one micro batch of 1 per data-parallel rank
+        cmd += ["--global-batch-size", str(dp)]
+    return cmd
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m megatron_kcp.launch", description=__doc__.splitlines()[0],
+                                epilog="Arguments after -- go to pretrain_gpt.py.")
+    p.add_argument("preset", help="a JSON preset from configs/")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--nnodes", type=int, default=int(os.environ.get("SLURM_NNODES", 1)))
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=int(os.environ.get("SLURM_NODEID", 0)))
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
+    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
+    p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"), help="Megatron-LM checkout")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    return p
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)      # the rest goes to pretrain_gpt.py
+    a = parser().parse_args(argv[:cut])
+    a.extra = argv[cut + 1:]
+    for name in ("tp", "cp", "pp", "nnodes", "nproc_per_node"):
+        if getattr(a, name) < 1:
+            parser().error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        cmd = build_command(a)
+    except ValueError as e:
+        parser().error(str(e))
+    if a.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    if not a.megatron_lm:
+        parser().error("--megatron-lm (or MEGATRON_LM) must point at a Megatron-LM checkout")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

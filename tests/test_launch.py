@@ -1,0 +1,65 @@
+"""The launcher: presets, size checks that name the fix, and the command it would run."""
+from __future__ import annotations
+
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from megatron_kcp import launch
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def _dry(capsys, *argv):
+    assert launch.main(["--dry-run", *argv]) == 0
+    return shlex.split(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_presets_load_and_check(preset):
+    p = launch.load_preset(CONFIGS / preset)
+    assert launch.check_sizes(p, world=8, tp=1, cp=4, pp=1, sequence_parallel=False) == 2
+
+
+def test_single_node_command(capsys):
+    cmd = _dry(capsys, str(CONFIGS / "tiny-kda.json"), "--nproc-per-node", "4", "--cp", "4",
+               "--megatron-lm", "/opt/Megatron-LM", "--", "--train-iters", "10")
+    assert cmd[:3] == ["torchrun", "--nnodes=1", "--nproc-per-node=4"]
+    assert cmd[3] == "/opt/Megatron-LM/pretrain_gpt.py"
+    i = cmd.index("--spec")
+    assert cmd[i + 1:i + 3] == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert cmd[cmd.index("--context-parallel-size") + 1] == "4"
+    assert cmd[cmd.index("--global-batch-size") + 1] == "1" and cmd[-4:-2] == ["--train-iters", "10"]
+
+
+def test_multi_node_command(capsys):
+    cmd = _dry(capsys, str(CONFIGS / "qwen3-next-gdn.json"), "--nnodes", "2", "--nproc-per-node", "8",
+               "--tp", "2", "--cp", "8", "--node-rank", "1", "--master-addr", "n0", "--sequence-parallel")
+    assert "--node-rank=1" in cmd and "--rdzv-endpoint=n0:29500" in cmd and "--sequence-parallel" in cmd
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--nproc-per-node", "6", "--cp", "4"], "not a multiple of TP\\*CP\\*PP"),
+    (["--nproc-per-node", "8", "--tp", "8"], "not divisible by --tp 8"),
+    (["--nproc-per-node", "4", "--pp", "4", "--cp", "1"], None),
+    (["--nproc-per-node", "8", "--pp", "8"], "num_layers=4 is not divisible by --pp 8"),
+    (["--nnodes", "2", "--nproc-per-node", "4"], "--master-addr"),
+])
+def test_bad_sizes_fail_before_start(argv, match, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    if match is None:
+        _dry(capsys, str(CONFIGS / "tiny-gdn.json"), *argv)
+        return
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--dry-run", str(CONFIGS / "tiny-gdn.json"), *argv])
+    assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+def test_sequence_length_must_split_zigzag(tmp_path, capsys):
+    preset = tmp_path / "odd.json"
+    preset.write_text((CONFIGS / "tiny-gdn.json").read_text().replace('"seq_length": 4096', '"seq_length": 4100'))
+    with pytest.raises(SystemExit):
+        launch.main(["--dry-run", str(preset), "--nproc-per-node", "4", "--cp", "4"])
+    assert "multiple of 8" in capsys.readouterr().err
