@@ -48,23 +48,37 @@ def _split(cu_seqlens, B, T):
     return [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
 
 
-def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm=False, cu_seqlens=None):
-    """Token-by-token recurrence: the oracle for everything else."""
+def _over_sequences(seq_fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                    cu_seqlens):
+    """Run ``seq_fn(q, k, v, g, beta, S) -> (o, S)`` on every sequence (batch row or varlen piece)."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     B, T, HV, K = k.shape
     o, finals = [], []
     for n, (b, s, e) in enumerate(_split(cu_seqlens, B, T)):
         S = v.new_zeros(HV, K, v.shape[-1]) if initial_state is None else initial_state[n].to(v.dtype)
-        for t in range(s, e):
-            S = S * g[b, t].exp()[..., None]
-            u = beta[b, t][:, None] * (v[b, t] - torch.einsum('hk,hkv->hv', k[b, t], S))
-            S = S + k[b, t][..., None] * u[:, None, :]
-            o.append(torch.einsum('hk,hkv->hv', q[b, t], S))
+        on, S = seq_fn(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], S)
+        o.append(on)
         finals.append(S)
-    o = torch.stack(o).view(B, T, HV, -1).to(dtype)
+    o = torch.cat(o).view(B, T, HV, -1).to(dtype)
     return o, (torch.stack(finals) if output_final_state else None)
+
+
+def _recurrent_seq(q, k, v, g, beta, S):
+    out = []
+    for t in range(k.shape[0]):
+        S = S * g[t].exp()[..., None]
+        u = beta[t][:, None] * (v[t] - torch.einsum('hk,hkv->hv', k[t], S))
+        S = S + k[t][..., None] * u[:, None, :]
+        out.append(torch.einsum('hk,hkv->hv', q[t], S))
+    return torch.stack(out), S
+
+
+def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token recurrence: the oracle for everything else."""
+    return _over_sequences(_recurrent_seq, q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm, cu_seqlens)
 
 
 def _chunk_seq(q, k, v, g, beta, S, chunk_size):
@@ -96,17 +110,8 @@ def _chunk_seq(q, k, v, g, beta, S, chunk_size):
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm=False, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     """Chunked (WY) form, chunks never crossing a sequence; same contract as the naive oracle."""
-    dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    B, T, HV, K = k.shape
-    o, finals = [], []
-    for n, (b, s, e) in enumerate(_split(cu_seqlens, B, T)):
-        S = v.new_zeros(HV, K, v.shape[-1]) if initial_state is None else initial_state[n].to(v.dtype)
-        on, S = _chunk_seq(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], S, chunk_size)
-        o.append(on)
-        finals.append(S)
-    o = torch.cat(o).view(B, T, HV, -1).to(dtype)
-    return o, (torch.stack(finals) if output_final_state else None)
+    return _over_sequences(lambda *x: _chunk_seq(*x, chunk_size), q, k, v, g, beta, scale, initial_state,
+                           output_final_state, use_qk_l2norm, cu_seqlens)
 
 
 def affine_state_map(k, g, beta, v, use_qk_l2norm=False, chunk_size=CHUNK_SIZE):

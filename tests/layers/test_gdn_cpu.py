@@ -57,6 +57,20 @@ def _zigzag_rows(x, cp, r):
     return torch.cat([c[r], c[2 * cp - 1 - r]], 0)
 
 
+def reduced_grads(mod):
+    """Parameter gradients as the full model sees them: summed over CP (as DDP does) and, for
+    weights not split over TP (the output norm, shared by the heads of every TP rank), over TP."""
+    from megatron.core import parallel_state as ps
+    grads = {}
+    for n, p in mod.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if not getattr(p, "tensor_model_parallel", False):
+            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+        grads[n] = g
+    return grads
+
+
 def _tp_cp_vs_reference(tp, heads):
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -77,12 +91,7 @@ def _tp_cp_vs_reference(tp, heads):
     xl = _zigzag_rows(x, cp, cp_rank).clone().requires_grad_()
     y, _ = mod(xl)
     y.backward(_zigzag_rows(dy, cp, cp_rank))
-    # DDP sums parameter gradients over CP; out_norm's weight is shared by the heads of all TP ranks
-    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
-    for n, g in grads.items():
-        dist.all_reduce(g, group=ps.get_context_parallel_group())
-        if n == "out_norm.weight":
-            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+    grads = reduced_grads(mod)
     ref_grads = _tp_shard({n: p.grad for n, p in ref.named_parameters()}, ref, tp_rank, tp)
     errs = {"y": rel_err(y, _zigzag_rows(y_ref, cp, cp_rank)),
             "dx": rel_err(xl.grad, _zigzag_rows(xr.grad, cp, cp_rank))}

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import rel_err, spawn
-from tests.layers.test_gdn_cpu import B, HIDDEN, S, _solo_pg, _zigzag_rows
+from tests.layers.test_gdn_cpu import B, HIDDEN, S, _solo_pg, _zigzag_rows, reduced_grads
 
 
 def _config(cp, tp, **kw):
@@ -52,11 +51,7 @@ def _kda_tp_cp(tp):
     xl = _zigzag_rows(x, cp, cp_rank).clone().requires_grad_()
     y, _ = mod(xl)
     y.backward(_zigzag_rows(dy, cp, cp_rank))
-    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
-    for n, g in grads.items():
-        dist.all_reduce(g, group=ps.get_context_parallel_group())
-        if not getattr(dict(mod.named_parameters())[n], "tensor_model_parallel", False):
-            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())     # o_norm: shared by all heads
+    grads = reduced_grads(mod)
     ref_grads = _shard(mod, {n: p.grad for n, p in ref.named_parameters()}, tp_rank, tp)
     errs = {"y": rel_err(y, _zigzag_rows(y_ref, cp, cp_rank)), "dx": rel_err(xl.grad, _zigzag_rows(xr.grad, cp, cp_rank))}
     errs.update({"d" + n: rel_err(grads[n], ref_grads[n]) for n in grads})
