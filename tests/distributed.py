@@ -3,9 +3,11 @@
 ``spawn(fn, world_size, *args, tp=1)`` starts ``world_size`` processes (gloo on CPU, NCCL on CUDA
 when enough GPUs are present), initialises ``megatron.core.parallel_state`` with the given TP size
 and CP = world_size / tp, runs ``fn(*args)`` on every rank and re-raises the first failure.
+``KCP_RANK_TIMEOUT=S`` makes a rank that is still running after S seconds print its stacks and exit.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -24,6 +26,8 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, backend, tp, fn, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
+        faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
