@@ -18,6 +18,15 @@ from megatron_kcp.parallel.plan import KCPPlan
 
 
 @functools.lru_cache(maxsize=32)
+def _halo_rows(plan: KCPPlan) -> torch.Tensor:
+    """Row of every halo token in the flattened all-gathered tails (the last row: zeros)."""
+    P, hl = plan.num_pieces, plan.halo_len
+    zero = plan.world_size * P * hl
+    return torch.tensor([(r * P + q) * hl + row if r >= 0 else zero for r, q, row in plan.halo_src],
+                        dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=32)
 def _indices(plan: KCPPlan):
     """(tail rows into [x; 0], conv taps into [x; halo; 0]) for this plan."""
     T, P, hl = plan.num_local_tokens, plan.num_pieces, plan.halo_len
@@ -60,8 +69,7 @@ class HaloExchange(torch.autograd.Function):
         tails = xz[tails_idx.to(x.device)].view(P, hl, -1)
         gathered = all_gather(tails, group) if plan.world_size > 1 else tails[None]
         gathered = torch.cat([gathered.flatten(0, 2), x.new_zeros(1, x.shape[1])])
-        src = torch.tensor([(r * P + q) * hl + row if r >= 0 else gathered.shape[0] - 1
-                            for r, q, row in plan.halo_src], dtype=torch.long, device=x.device)
+        src = _halo_rows(plan).to(x.device)
         ctx.plan, ctx.group, ctx.T = plan, group, x.shape[0]
         ctx.save_for_backward(src)
         return gathered[src]

@@ -77,9 +77,15 @@ def _fla_parts(plan: KCPPlan, group, device_index: int) -> tuple[_Part, ...]:
     return tuple(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _checked(device_index: int) -> int:
+    check_fla_environment(torch.device("cuda", device_index))
+    return device_index
+
+
 def _parts(plan, group, x):
-    check_fla_environment(x.device)
-    return _fla_parts(plan, group, x.device.index if x.device.index is not None else torch.cuda.current_device())
+    idx = _checked(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _fla_parts(plan, group, idx)
 
 
 def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group, scale, initial_state, use_qk_l2norm):
