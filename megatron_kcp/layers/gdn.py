@@ -23,7 +23,8 @@ def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: 
     when given); a ``[s, b]`` batch is b rows, each split zigzag over CP (or whole at CP=1)."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         if batch != 1:
-            raise ValueError(f"THD packed sequences need micro batch size 1, got {batch}")
+            raise ValueError(f"THD packed sequences need micro batch size 1, got {batch}: "
+                             "set --micro-batch-size 1 and pack more documents per sequence instead")
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
@@ -43,7 +44,12 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         self.cp_size = 1
         for name, dim in (("linear_key_head_dim", self.key_head_dim), ("linear_value_head_dim", self.value_head_dim)):
             if dim > MAX_HEAD_DIM:
-                raise ValueError(f"{name}={dim}: the chunked kernels support head dims up to {MAX_HEAD_DIM}")
+                raise ValueError(f"{name}={dim}: the chunked kernels support head dims up to {MAX_HEAD_DIM}; "
+                                 "use more heads of a smaller head dim")
+        for name, n in (("linear_num_key_heads", self.num_key_heads), ("linear_num_value_heads", self.num_value_heads)):
+            if n % self.tp_size:
+                raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {self.tp_size}: "
+                                 "change the head count or --tensor-model-parallel-size (CP size needs no such match)")
         super()._setup_variant_attrs()
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,

@@ -64,14 +64,17 @@ class KCPKimiDeltaAttention(MegatronModule):
         self.conv_size = config.linear_conv_kernel_dim
         for what, n in (("linear_num_key_heads", self.H), ("linear_num_value_heads", self.HV)):
             if n % tp:
-                raise ValueError(f"{what}={n} must be divisible by the tensor-parallel size {tp}")
+                raise ValueError(f"{what}={n} must be divisible by the tensor-parallel size {tp}: "
+                                 "change the head count or --tensor-model-parallel-size")
         if self.HV % self.H:
             raise ValueError(f"linear_num_value_heads={self.HV} must be a multiple of linear_num_key_heads={self.H}")
         if max(self.K, self.V) > MAX_HEAD_DIM:
-            raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}")
+            raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}: "
+                             "use more heads of a smaller head dim")
         rank = getattr(config, "kda_gate_rank", None) or self.V
         if rank % tp:
-            raise ValueError(f"kda_gate_rank={rank} must be divisible by the tensor-parallel size {tp}")
+            raise ValueError(f"kda_gate_rank={rank} must be divisible by the tensor-parallel size {tp}: "
+                             "set kda_gate_rank to a multiple of it")
         eps = getattr(config, "kda_norm_eps", 1e-5)
         self.h_loc, self.hv_loc = self.H // tp, self.HV // tp
 

@@ -92,7 +92,8 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
                   group=None):
     """x ``[1, T, D]`` (packed local stream), weight ``[D, kernel_size]``, bias ``[D]``."""
     if plan.conv_kernel_size != weight.shape[-1]:
-        raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}")
+        raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}: "
+                         f"build the plan with conv_kernel_size={weight.shape[-1]}")
     x2 = x[0]
     _, taps = _indices(plan)
     parts = [x2]

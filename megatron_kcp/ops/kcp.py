@@ -64,6 +64,8 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
 def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: KCPPlan = None, group=None,
                   backend: str = "auto") -> torch.Tensor:
     """Depthwise causal conv of the packed local stream ``[1, T, D]``, weight ``[D, kernel_size]``."""
+    if plan is None:
+        raise ValueError("causal_conv1d needs a KCP plan: plan_for_cp_group(cu_seqlens, layout, conv_kernel_size)")
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != plan.num_local_tokens:
         raise ValueError(f"x must be the packed local stream [1, {plan.num_local_tokens}, D], got {tuple(x.shape)}")
     if _backend(backend, x) == "fla":

@@ -141,3 +141,17 @@ def _same_as_megatron_gdn():
 
 def test_same_function_and_checkpoint_as_megatron_gdn():
     spawn(_same_as_megatron_gdn, 1)
+
+
+def _gdn_bad_configs():
+    import pytest
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    with pytest.raises(ValueError, match="linear_num_key_heads=3 is not divisible by the tensor-parallel size 2"):
+        _build(KCPGatedDeltaNet, _config(1, 2, heads=(3, 6)), pg)
+
+
+def test_gdn_bad_config_fails_at_construction():
+    spawn(_gdn_bad_configs, 2, tp=2)
