@@ -60,7 +60,11 @@ class KCPPlan:
     num_slots_bwd: int
     conv_kernel_size: int
     halo_src: tuple[tuple[int, int, int], ...]      # per halo row: (rank, piece, tail row) or (-1, 0, 0) = zero
-    num_pieces: int                                 # pieces per rank (equal on all ranks)
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces per rank (the same on every rank in every layout)."""
+        return len(self.pieces)
 
     @property
     def num_seqs(self) -> int:
@@ -249,7 +253,7 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
         recv_fwd=tuple(recv_fwd), recv_bwd=tuple(recv_bwd),
         num_slots_fwd=max(len(x) for x in slots_fwd),
         num_slots_bwd=max(len(x) for x in slots_bwd),
-        conv_kernel_size=conv_kernel_size, halo_src=tuple(halo), num_pieces=len(pieces),
+        conv_kernel_size=conv_kernel_size, halo_src=tuple(halo),
     )
 
 
