@@ -35,17 +35,21 @@ def _forward_maps(k, v, g, beta, plan, l2):
     return _stack(maps, v, k)
 
 
-def _backward_maps(q, k, v, g, beta, do, plan, scale, l2):
+def _backward_maps(q, k, v, g, beta, do, plan, scale, l2, fwd_maps):
     """[dH | M^T] of each exported first segment: its state gradient from its own outputs, and its
-    transposed transition."""
+    transposed transition (taken from the forward maps where the segment exported one)."""
     maps = []
+    fwd_slot = {seg: j for j, seg in enumerate(plan.send_fwd)}
     for i in plan.send_bwd:
         args = [_seg(x, plan, i) for x in (q, k, v, g, beta)]
         with torch.enable_grad():
             h = args[2].new_zeros(1, v.shape[2], k.shape[-1], v.shape[-1], dtype=torch.float32, requires_grad=True)
             o, _ = R.chunk_gated_delta_rule(*args, scale=scale, initial_state=h, use_qk_l2norm=l2)
             dH, = torch.autograd.grad(o, h, _seg(do, plan, i))
-        M = R.affine_state_map(args[1], args[3], args[4], args[2], l2)[..., v.shape[-1]:]
+        if i in fwd_slot:           # a piece that is one segment: its transition is already known
+            M = fwd_maps[fwd_slot[i], ..., v.shape[-1]:]
+        else:
+            M = R.affine_state_map(args[1], args[3], args[4], args[2], l2)[..., v.shape[-1]:]
         maps.append(torch.cat([dH[0].float(), M.transpose(-1, -2).float()], -1))
     return _stack(maps, v, k)
 
@@ -71,18 +75,19 @@ class KCPReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, init, plan: KCPPlan, group, scale, l2):
         with torch.no_grad():
-            folded = fold_forward(_forward_maps(k, v, g, beta, plan, l2), plan, group, init)
+            maps = _forward_maps(k, v, g, beta, plan, l2)
+            folded = fold_forward(maps, plan, group, init)
             h0 = _local_h0(plan, init, folded)
             o, _ = _core(q, k, v, g, beta, h0, plan, scale, l2)
-        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.save_for_backward(q, k, v, g, beta, h0, maps)
         ctx.plan, ctx.group, ctx.scale, ctx.l2, ctx.has_init = plan, group, scale, l2, init is not None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, maps = ctx.saved_tensors
         plan = ctx.plan
-        dht = fold_backward(_backward_maps(q, k, v, g, beta, do, plan, ctx.scale, ctx.l2), plan, ctx.group)
+        dht = fold_backward(_backward_maps(q, k, v, g, beta, do, plan, ctx.scale, ctx.l2, maps), plan, ctx.group)
         with torch.enable_grad():
             inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
             o, ht = _core(*inputs, plan, ctx.scale, ctx.l2)
