@@ -1,8 +1,11 @@
 """Multi-process test harness in the spirit of Megatron's ``tests/unit_tests/test_utilities.Utils``.
 
-``spawn(fn, world_size, *args, tp=1)`` starts ``world_size`` processes (gloo on CPU, NCCL on CUDA
-when enough GPUs are present), initialises ``megatron.core.parallel_state`` with the given TP size
-and CP = world_size / tp, runs ``fn(*args)`` on every rank and re-raises the first failure.
+``spawn(fn, world_size, *args, tp=1)`` starts ``world_size`` processes, initialises
+``megatron.core.parallel_state`` with the given TP size and CP = world_size / tp, runs ``fn(*args)``
+on every rank and re-raises the first failure. Backends: NCCL with one GPU per rank when there are
+enough GPUs; otherwise gloo, with ranks sharing the GPUs round-robin when there are any (so the
+CP=4 GPU tests run on one or two GPUs: gloo moves CUDA tensors through host memory, which changes
+the transport, not the numbers), or on the CPU.
 ``KCP_RANK_TIMEOUT=S`` makes a rank that is still running after S seconds print its stacks and exit.
 """
 from __future__ import annotations
@@ -28,8 +31,11 @@ def _worker(rank, world_size, port, backend, tp, fn, args, errors):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if os.environ.get("KCP_FAST_AUTOTUNE"):
+        from tests.fast_autotune import enable
+        enable()
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     from megatron.core import parallel_state as ps
     try:

@@ -7,6 +7,7 @@ RMSNorm ``o_norm`` and ``o_proj``. Heads are split over TP; the sequence stays s
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -78,8 +79,13 @@ class KCPKimiDeltaAttention(MegatronModule):
         eps = getattr(config, "kda_norm_eps", 1e-5)
         self.h_loc, self.hv_loc = self.H // tp, self.HV // tp
 
-        def col(name, n_in, n_out, gather=False, bias=False):
-            return build_module(submodules.column_linear, n_in, n_out, config=config, init_method=config.init_method,
+        # the second low-rank factors read the gathered rank-r activations, whose sequence is
+        # already whole under sequence parallelism: they must not gather it again
+        whole_seq = copy.copy(config)
+        whole_seq.sequence_parallel = False
+
+        def col(name, n_in, n_out, gather=False, bias=False, cfg=config):
+            return build_module(submodules.column_linear, n_in, n_out, config=cfg, init_method=config.init_method,
                                 gather_output=gather, bias=bias, skip_bias_add=False, is_expert=False,
                                 tp_comm_buffer_name=name, tp_group=pg_collection.tp)
 
@@ -95,10 +101,11 @@ class KCPKimiDeltaAttention(MegatronModule):
             conv.weight.tensor_model_parallel, conv.weight.partition_dim = True, 0
             setattr(self, name, conv)
         # low-rank bottlenecks: the rank-r activations are gathered, so the second factor sees all of them
-        self.f_proj = torch.nn.Sequential(col("f_proj0", hid, rank, gather=True), col("f_proj1", rank, self.HV * self.K))
+        self.f_proj = torch.nn.Sequential(col("f_proj0", hid, rank, gather=True),
+                                          col("f_proj1", rank, self.HV * self.K, cfg=whole_seq))
         self.b_proj = col("b_proj", hid, self.HV)
         self.g_proj = torch.nn.Sequential(col("g_proj0", hid, rank, gather=True),
-                                          col("g_proj1", rank, self.HV * self.V, bias=True))
+                                          col("g_proj1", rank, self.HV * self.V, bias=True, cfg=whole_seq))
         self.A_log = torch.nn.Parameter(torch.empty(self.hv_loc, device=dev, dtype=torch.float32))
         self.dt_bias = torch.nn.Parameter(torch.empty(self.hv_loc * self.K, device=dev, dtype=torch.float32))
         for p in (self.A_log, self.dt_bias):

@@ -5,13 +5,13 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import rel_err, spawn
-from tests.layers.test_gdn_cpu import B, HIDDEN, S, _build, _config, _zigzag_rows
+from tests.layers.harness import CPU, build, config, zigzag_rows
 
 
 def _full_output(mod, cp, cp_rank, group):
-    x = torch.randn(S, B, HIDDEN, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(CPU.seq, CPU.batch, CPU.hidden, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        y, _ = mod(_zigzag_rows(x, cp, cp_rank))
+        y, _ = mod(zigzag_rows(x, cp, cp_rank))
     ys = [torch.empty_like(y) for _ in range(cp)]
     dist.all_gather(ys, y.contiguous(), group=group)
     chunks = [None] * (2 * cp)
@@ -21,15 +21,12 @@ def _full_output(mod, cp, cp_rank, group):
 
 
 def _save_or_load(ckpt_dir, out_file, tp, save):
-    import tests.megatron_cpu
-    tests.megatron_cpu.enable()
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
     cp = ps.get_context_parallel_world_size()
-    mod = _build(KCPGatedDeltaNet, _config(cp, tp), ProcessGroupCollection.use_mpu_process_groups())
+    mod = build("gdn", config("gdn", CPU, cp, tp), ProcessGroupCollection.use_mpu_process_groups())
     if save:
         dist_checkpointing.save(mod.sharded_state_dict(prefix="gdn."), ckpt_dir)
     else:

@@ -1,0 +1,157 @@
+"""What the mixer tests share: configs, builders, Megatron's CP / TP / SP splits of the input, and the
+TP x CP vs TP=1 x CP=1 comparison itself (run inside ``tests.distributed.spawn`` ranks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.distributed import rel_err
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 32
+    heads: tuple[int, int] = (2, 4)          # (q/k heads, v heads)
+    head_dim: int = 8
+    seq: int = 64                            # global sequence length
+    batch: int = 2
+    device: str = "cpu"
+    tol: float = 1e-5
+
+
+CPU = Shape()
+# fla's kernels: head dim 128 as in the op tests; fp32 with 3xTF32 products (tests/parallel/test_kcp_gpu.py)
+GPU = Shape(hidden=256, heads=(4, 4), head_dim=128, seq=1024, batch=1, device="cuda", tol=2e-3)
+
+
+def config(model: str, shape: Shape, cp: int = 1, tp: int = 1, **kw):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_kcp.layers.kda import KDAConfig
+    args = dict(num_layers=1, hidden_size=shape.hidden, num_attention_heads=2, use_cpu_initialization=True,
+                linear_conv_kernel_dim=4, linear_key_head_dim=shape.head_dim, linear_value_head_dim=shape.head_dim,
+                linear_num_key_heads=shape.heads[0], linear_num_value_heads=shape.heads[1],
+                normalization="RMSNorm", activation_func=F.silu, context_parallel_size=cp,
+                tensor_model_parallel_size=tp)
+    if model == "kda":
+        return KDAConfig(**{"kda_gate_rank": shape.head_dim, **args, **kw})
+    return TransformerConfig(**{**args, **kw})
+
+
+def build(model: str, cfg, pg, device: str = "cpu", cls=None):
+    """The KCP mixer (or ``cls`` with the GDN submodules) with Megatron's local layers, seeded."""
+    import tests.megatron_cpu
+    tests.megatron_cpu.enable()
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
+    torch.manual_seed(0)
+    if device == "cuda":
+        model_parallel_cuda_manual_seed(0)
+    if model == "kda":
+        from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
+        mod = KCPKimiDeltaAttention(cfg, KDASubmodules(ColumnParallelLinear, RowParallelLinear), pg_collection=pg)
+    else:
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from megatron_kcp.layers.gdn import KCPGatedDeltaNet
+        norm = SPRMSNorm if cfg.sequence_parallel else WrappedTorchNorm
+        sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear)
+        mod = (cls or KCPGatedDeltaNet)(cfg, sub, layer_number=1, pg_collection=pg)
+    return mod.to(device)
+
+
+class SPRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as a Megatron norm that, like TENorm and unlike WrappedTorchNorm, allows
+    sequence parallelism (Megatron's local norms need apex for it, which the tests do without)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
+def solo_pg():
+    """TP = CP = 1 process groups for a reference module inside a multi-rank test."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    solo, _ = dist.new_subgroups(group_size=1)
+    return ProcessGroupCollection(tp=solo, cp=solo)
+
+
+def tp_shard(model: str, module, full: dict, tp_rank: int, tp: int) -> dict:
+    """A TP=1 tensor dict sliced into this TP rank's shard, as megatron-core splits each tensor."""
+    params = dict(module.named_parameters())
+    if model == "kda":
+        return {n: t.chunk(tp, params[n].partition_dim)[tp_rank]
+                if n in params and getattr(params[n], "tensor_model_parallel", False) else t for n, t in full.items()}
+
+    def split(t, sections, dim=0):          # GDN's fused projections split section by section
+        return torch.cat([p.chunk(tp, dim)[tp_rank] for p in torch.split(t, sections, dim)], dim)
+    qk, v, nv = module.qk_dim, module.v_dim, module.num_value_heads        # global sizes
+    return {
+        "in_proj.weight": split(full["in_proj.weight"], [qk, qk, v, v, nv, nv]),
+        "conv1d.weight": split(full["conv1d.weight"], [qk, qk, v]),
+        "A_log": full["A_log"].chunk(tp)[tp_rank], "dt_bias": full["dt_bias"].chunk(tp)[tp_rank],
+        "out_norm.weight": full["out_norm.weight"],
+        "out_proj.weight": full["out_proj.weight"].chunk(tp, 1)[tp_rank],
+    }
+
+
+def zigzag_rows(x, cp: int, r: int):
+    """Megatron's per-sequence zigzag split of [s, b, ...] over CP (chunks r and 2cp-1-r)."""
+    c = x.chunk(2 * cp, 0)
+    return torch.cat([c[r], c[2 * cp - 1 - r]], 0)
+
+
+def local_input(x, sequence_parallel: bool):
+    """This rank's part of a [s, b, h] activation: zigzag over CP, then (SP) split along s over TP."""
+    from megatron.core import parallel_state as ps
+    x = zigzag_rows(x, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
+    if sequence_parallel:
+        x = x.chunk(ps.get_tensor_model_parallel_world_size(), 0)[ps.get_tensor_model_parallel_rank()]
+    return x
+
+
+def reduced_grads(mod) -> dict:
+    """Parameter gradients as the full model sees them: summed over CP (as DDP does) and, for
+    weights not split over TP (norms shared by the heads of every TP rank), over TP."""
+    from megatron.core import parallel_state as ps
+    grads = {}
+    for n, p in mod.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if not getattr(p, "tensor_model_parallel", False):
+            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+        grads[n] = g
+    return grads
+
+
+def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = False) -> dict:
+    """The mixer at this spawn's TP x CP against TP=1 x CP=1 with the same weights: output, input
+    gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    cp = ps.get_context_parallel_world_size()
+    dev = shape.device
+    ref = build(model, config(model, shape), solo_pg(), dev)
+    gen = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(dev) for _ in range(2))
+    xr = x.clone().requires_grad_()
+    y_ref, _ = ref(xr)
+    y_ref.backward(dy)
+
+    cfg = config(model, shape, cp, tp, sequence_parallel=sequence_parallel)
+    mod = build(model, cfg, ProcessGroupCollection.use_mpu_process_groups(), dev)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    mod.load_state_dict(tp_shard(model, mod, ref.state_dict(), tp_rank, tp))
+    xl = local_input(x, sequence_parallel).clone().requires_grad_()
+    y, _ = mod(xl)
+    y.backward(local_input(dy, sequence_parallel))
+    grads = reduced_grads(mod)
+    ref_grads = tp_shard(model, mod, {n: p.grad for n, p in ref.named_parameters()}, tp_rank, tp)
+    errs = {"y": rel_err(y, local_input(y_ref, sequence_parallel)),
+            "dx": rel_err(xl.grad, local_input(xr.grad, sequence_parallel))}
+    errs.update({"d" + n: rel_err(grads[n], ref_grads[n]) for n in grads})
+    assert max(errs.values()) < shape.tol, errs
+    return errs

@@ -1,0 +1,36 @@
+"""The KCP mixers on GPUs with fla's kernels: TP x CP equals TP=1 x CP=1 (skip without CUDA).
+
+Ranks use NCCL when every rank has its own GPU, else gloo with ranks sharing GPUs
+(tests/distributed.py). fp32 runs fla's products as 3xTF32, like the op tests.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+from tests.layers.harness import GPU, compare_tp_cp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _compare(model, tp, sequence_parallel):
+    from megatron.core import parallel_state as ps
+    errs = compare_tp_cp(model, GPU, tp, sequence_parallel)
+    if torch.distributed.get_rank() == 0:
+        cp = ps.get_context_parallel_world_size()
+        line = (f"{model.upper()} mixer TP={tp} CP={cp}{' SP' if sequence_parallel else ''} vs TP=1 CP=1: "
+                + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()))
+        print(line, flush=True)
+        if os.environ.get("KCP_EVIDENCE_DIR"):
+            with open(os.path.join(os.environ["KCP_EVIDENCE_DIR"], "layers_gpu.txt"), "a") as f:
+                f.write(line + "\n")
+
+
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("world_size,tp,sp", [(2, 1, False), (4, 2, True), (4, 1, False)])
+def test_mixer_on_gpu(model, world_size, tp, sp, monkeypatch):
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    spawn(_compare, world_size, model, tp, sp, tp=tp)
