@@ -5,6 +5,9 @@
 Prints one table: per (model, CP size, layout) the median fwd+bwd time over --iters timed
 iterations after warm-up (CUDA events), parallel efficiency t_1 / (W * t_W), and peak memory
 per rank. Documents: --docs equal documents (each a multiple of 2W tokens, as Megatron pads them).
+
+``--memory-only`` reports peak memory alone; it runs with fewer GPUs than ranks (gloo, ranks
+sharing GPUs) and with the tests' cheap autotuning, neither of which changes what is allocated.
 """
 from __future__ import annotations
 
@@ -40,6 +43,11 @@ def _measure(plan, group, args, kda, T_local):
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    if args.memory_only:                 # peak of one step beyond what the inputs hold
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return float("nan"), torch.cuda.max_memory_allocated() / 2**20
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.iters):
@@ -66,8 +74,15 @@ def _cu(args, W):
 
 def _rank(rank, W, port, args, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=W, device_id=torch.device("cuda", rank))
+    _setup(args)
+    ngpu = torch.cuda.device_count()
+    torch.cuda.set_device(rank % ngpu)
+    if W <= ngpu:
+        dist.init_process_group("nccl", rank=rank, world_size=W, device_id=torch.device("cuda", rank))
+    elif args.memory_only:
+        dist.init_process_group("gloo", rank=rank, world_size=W)
+    else:
+        raise SystemExit(f"CP={W} needs {W} GPUs for timings, found {ngpu} (--memory-only runs on fewer)")
     from megatron_kcp.parallel.plan import build_plan
     rows = []
     for kda in (False, True):
@@ -82,6 +97,12 @@ def _rank(rank, W, port, args, q):
     dist.destroy_process_group()
 
 
+def _setup(args):
+    if args.memory_only:
+        from tests.fast_autotune import enable
+        enable()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
@@ -92,7 +113,9 @@ def main():
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "zigzag_per_doc"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--memory-only", action="store_true", help="peak memory only (see the module docstring)")
     args = p.parse_args()
+    _setup(args)
     from megatron_kcp.parallel.plan import build_plan
     base = {}
     for kda in (False, True):
@@ -108,8 +131,10 @@ def main():
         mp.start_processes(_rank, args=(W, port, args, q), nprocs=W, start_method="spawn")
         rows += q.get()
     gpu = torch.cuda.get_device_name()
-    print(f"\n{gpu}, torch {torch.__version__}, T={args.tokens} tokens in {args.docs} doc(s), H={args.heads}, "
-          f"K=V={args.head_dim}, bf16, fwd+bwd, median of {args.iters} after {args.warmup} warm-up")
+    what = ("peak memory of one fwd+bwd step" if args.memory_only
+            else f"fwd+bwd, median of {args.iters} after {args.warmup} warm-up")
+    print(f"\n{gpu} x {torch.cuda.device_count()}, torch {torch.__version__}, T={args.tokens} tokens in "
+          f"{args.docs} doc(s), H={args.heads}, K=V={args.head_dim}, bf16, {what}")
     print(f"{'model':5} {'W':>2} {'layout':15} {'ms':>8} {'eff':>6} {'peak MiB/rank':>14}")
     for m, (t, mem) in base.items():
         print(f"{m:5} {1:>2} {'-':15} {t:8.2f} {1:6.2f} {mem:14.0f}")
