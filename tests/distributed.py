@@ -37,6 +37,8 @@ def _worker(rank, world_size, port, backend, tp, fn, args, errors):
         from tests.fast_autotune import enable
         enable()
     dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if backend == "gloo" and torch.cuda.is_available():
+        _gloo_accepts_stacked_all_gather()
     from megatron.core import parallel_state as ps
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world_size // tp)
@@ -47,6 +49,19 @@ def _worker(rank, world_size, port, backend, tp, fn, args, errors):
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _gloo_accepts_stacked_all_gather():
+    """fla gathers into an output of shape [W, *input.shape]; NCCL takes any output of W times the
+    input's elements, gloo only [W * input.shape[0], ...]. Same bytes, so give gloo that view."""
+    gather = dist.all_gather_into_tensor
+
+    def all_gather_into_tensor(output, input, group=None, async_op=False):
+        if input.dim() and output.dim() == input.dim() + 1:
+            output = output.view(-1, *input.shape[1:])
+        return gather(output, input, group=group, async_op=async_op)
+
+    dist.all_gather_into_tensor = all_gather_into_tensor
 
 
 def spawn(fn, world_size: int, *args, tp: int = 1, backend: str | None = None):

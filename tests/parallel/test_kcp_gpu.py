@@ -22,6 +22,17 @@ from tests.parallel.cases import random_cu_seqlens, random_inputs, shard
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 H, HV, K, V, KS = 4, 4, 128, 128, 4
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+# On Hopper with Triton < 3.7.1, fla runs gated GDN's dq/dk/dg backward in a tilelang kernel whose
+# fp32 products are TF32 whatever Triton's setting: measured 1.5e-3 (dq, dk) and 2.1e-3 (dg) on
+# H200, against 8e-6 for o, dv and dbeta from the same run (docs/gpu_runs.md)
+TILELANG_FP32_TOL = 3e-3
+
+
+def tolerance(name: str, dtype, kda: bool) -> float:
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if dtype == torch.float32 and not kda and hopper and name in ("dq", "dk", "dg"):
+        return TILELANG_FP32_TOL
+    return TOL[dtype]
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
@@ -72,7 +83,7 @@ def test_fla_matches_reference(kda, dtype):
     errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, fla, ref)}
     print(f"fla vs reference {'KDA' if kda else 'GDN'} {dtype}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
           flush=True)
-    assert all(e <= TOL[dtype] for e in errs.values()), errs
+    assert all(e <= tolerance(n, dtype, kda) for n, e in errs.items()), errs
 
 
 def _cp_vs_single(layout, kinds, dtype_name, out_dir):
@@ -103,7 +114,7 @@ def _cp_vs_single(layout, kinds, dtype_name, out_dir):
                          f"nseq={len(cu) - 1:2d} max_rel_err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()))
             if r == 0:
                 print(lines[-1], flush=True)
-            assert max(errs.values()) <= TOL[dtype], lines[-1]
+            assert all(e <= tolerance(n, dtype, kda) for n, e in errs.items()), lines[-1]
     if r == 0 and out_dir:
         with open(os.path.join(out_dir, f"cp_gpu_W{W}_{layout}_{dtype_name}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
