@@ -80,7 +80,9 @@ def _rank(rank, W, port, args, q):
     if W <= ngpu:
         dist.init_process_group("nccl", rank=rank, world_size=W, device_id=torch.device("cuda", rank))
     elif args.memory_only:
+        from tests.distributed import gloo_accepts_stacked_all_gather
         dist.init_process_group("gloo", rank=rank, world_size=W)
+        gloo_accepts_stacked_all_gather()
     else:
         raise SystemExit(f"CP={W} needs {W} GPUs for timings, found {ngpu} (--memory-only runs on fewer)")
     from megatron_kcp.parallel.plan import build_plan

@@ -38,7 +38,7 @@ def _worker(rank, world_size, port, backend, tp, fn, args, errors):
         enable()
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     if backend == "gloo" and torch.cuda.is_available():
-        _gloo_accepts_stacked_all_gather()
+        gloo_accepts_stacked_all_gather()
     from megatron.core import parallel_state as ps
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world_size // tp)
@@ -51,7 +51,7 @@ def _worker(rank, world_size, port, backend, tp, fn, args, errors):
         dist.destroy_process_group()
 
 
-def _gloo_accepts_stacked_all_gather():
+def gloo_accepts_stacked_all_gather():
     """fla gathers into an output of shape [W, *input.shape]; NCCL takes any output of W times the
     input's elements, gloo only [W * input.shape[0], ...]. Same bytes, so give gloo that view."""
     gather = dist.all_gather_into_tensor
