@@ -56,7 +56,7 @@ def _problem(seed, layout, W, kind, kda, dtype, device):
     conv_x = torch.randn(1, cu[-1], 64, generator=gen).to(device=device, dtype=dtype)
     conv_w = (torch.randn(64, KS, generator=gen) * 0.5).to(device=device, dtype=dtype)
     do = torch.randn(1, cu[-1], HV, V, generator=gen).to(device=device, dtype=dtype)
-    dy = torch.randn_like(conv_x)
+    dy = torch.randn(conv_x.shape, generator=gen).to(device=device, dtype=dtype)   # the same on every rank
     return cu, xs, conv_x, conv_w, do, dy
 
 
