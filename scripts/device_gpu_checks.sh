@@ -28,7 +28,7 @@ suite() {   # name, pytest args...
 suite ops_w1_w2 tests/parallel/test_kcp_gpu.py -k "fla_matches or 2]" &
 suite ops_w4 tests/parallel/test_kcp_gpu.py -k "single_gpu and 4]" &
 suite layers tests/layers/test_layers_gpu.py &
-(   # peak memory is per process, so sharing the GPU with the suites does not change it
+[ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS
   timeout "$limit" python benchmarks/bench_kcp_op.py --memory-only --cp 4 --tokens 32768 --heads 16 \
     --layouts contiguous zigzag --warmup 1 > "$OUT/memory.txt" 2>&1
