@@ -76,7 +76,10 @@ def spawn(fn, world_size: int, *args, tp: int = 1, backend: str | None = None):
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||, in fp64."""
+def rel_err(a: torch.Tensor, b: torch.Tensor, rms_floor: float = 0.0) -> float:
+    """||a - b|| / ||b||, in fp64. With ``rms_floor``, ||b|| counts as at least that RMS: a gradient
+    that is zero in exact arithmetic (a 1-token sequence's gate) is then compared in absolute terms,
+    where its low-precision value is rounding noise and a relative error means nothing."""
     a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    scale = max(b.norm().item(), rms_floor * b.numel() ** 0.5, 1e-30)
+    return (a - b).norm().item() / scale

@@ -33,6 +33,8 @@ def tolerance(name: str, dtype, kda: bool) -> float:
     if dtype == torch.float32 and not kda and hopper and name in ("dq", "dk", "dg"):
         return TILELANG_FP32_TOL
     return TOL[dtype]
+# CP vs one GPU: gradients of RMS below this (1-token sequences' gates) are compared in absolute terms
+RMS_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
@@ -97,6 +99,9 @@ def _cp_vs_single(layout, kinds, dtype_name, out_dir):
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
     dtype = getattr(torch, dtype_name)
+    if os.environ.get("KCP_TEST_MIN_PIECE"):       # which path tiny pieces take (see kcp_fla.MIN_PIECE)
+        from megatron_kcp.ops import kcp_fla
+        kcp_fla.MIN_PIECE = int(os.environ["KCP_TEST_MIN_PIECE"])
     lines = []
     models = os.environ.get("KCP_GPU_MODELS", "gdn,kda").split(",")
     for i, kind in enumerate(kinds):
@@ -117,7 +122,7 @@ def _cp_vs_single(layout, kinds, dtype_name, out_dir):
                     dist.all_reduce(a, group=group)
                 else:
                     b = shard(plan, b)[0] if b.dim() >= 3 else b
-                errs[n] = rel_err(a, b)
+                errs[n] = rel_err(a, b, RMS_FLOOR[dtype])
             worst = torch.tensor(list(errs.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             errs = dict(zip(names, worst.tolist()))
