@@ -18,10 +18,6 @@ import torch
 from megatron_kcp.parallel.plan import KCPPlan
 
 FLA_VERSION = "0.6.0"
-# fla's CP path is validated here for rank pieces of at least one chunk. With pieces of a token or
-# two (inputs of a few tokens per rank) its GDN dg came out wrong on 4 ranks (contiguous layout,
-# docs/gpu_runs.md), so such inputs, tiny by construction, run the exact reference core instead.
-MIN_PIECE = 64
 
 
 def check_fla_environment(device: torch.device | None = None) -> None:
@@ -99,9 +95,6 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group, scale, initial_stat
     if plan.world_size == 1:
         return _call(q, k, v, g, beta, scale, use_qk_l2norm, cu_seqlens=plan.cu_seqlens_tensor(q.device),
                      cu_seqlens_cpu=plan.cu_seqlens_tensor())
-    if min(e - s for s, e in plan.pieces) < MIN_PIECE:    # the same on every rank in every layout
-        from megatron_kcp.ops.kcp_reference import KCPReference
-        return KCPReference.apply(q, k, v, g, beta, None, plan, group, scale, use_qk_l2norm)
     outs = [_call(*(x[:, p.start:p.end] for x in (q, k, v, g, beta)), scale, use_qk_l2norm, cp_context=p.context)
             for p in _parts(plan, group, q)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
