@@ -137,12 +137,16 @@ def main():
             else f"fwd+bwd, median of {args.iters} after {args.warmup} warm-up")
     print(f"\n{gpu} x {torch.cuda.device_count()}, torch {torch.__version__}, T={args.tokens} tokens in "
           f"{args.docs} doc(s), H={args.heads}, K=V={args.head_dim}, bf16, {what}")
+    if args.memory_only:
+        print(f"{'model':5} {'W':>2} {'layout':15} {'peak MiB/rank':>14} {'x single':>9}")
+        for m, W, layout, _, mem in [(m, 1, "-", t, mem) for m, (t, mem) in base.items()] + rows:
+            print(f"{m:5} {W:>2} {layout:15} {mem:14.0f} {mem / base[m][1]:9.3f}")
+        return
     print(f"{'model':5} {'W':>2} {'layout':15} {'ms':>8} {'eff':>6} {'peak MiB/rank':>14}")
     for m, (t, mem) in base.items():
         print(f"{m:5} {1:>2} {'-':15} {t:8.2f} {1:6.2f} {mem:14.0f}")
     for m, W, layout, t, mem in rows:
         print(f"{m:5} {W:>2} {layout:15} {t:8.2f} {base[m][0] / (W * t):6.2f} {mem:14.0f}")
-
 
 if __name__ == "__main__":
     main()
