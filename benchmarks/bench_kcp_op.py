@@ -148,5 +148,6 @@ def main():
     for m, W, layout, t, mem in rows:
         print(f"{m:5} {W:>2} {layout:15} {t:8.2f} {base[m][0] / (W * t):6.2f} {mem:14.0f}")
 
+
 if __name__ == "__main__":
     main()

@@ -4,7 +4,8 @@ fla autotunes every kernel over up to ~50 configs per shape key; on a fresh mach
 minutes of compilation per op and per head count, which a 10-minute device call cannot afford
 across the shapes the tests use. Correctness does not depend on the config, so the tests keep
 the two configs with the fewest pipeline stages and warps (the least shared memory: they fit on
-every GPU fla supports). Benchmarks never set this; they autotune fully.
+every GPU fla supports). Timed benchmarks never set this; they autotune fully (the peak-memory
+report does, since the config does not change what is allocated).
 """
 from __future__ import annotations
 
