@@ -1,11 +1,12 @@
-"""Build, check and run the torchrun command that trains a preset with Megatron-LM's pretrain_gpt.py.
+"""Build, check and run the torchrun command that trains a preset.
 
-    python -m megatron_kcp.launch configs/tiny-gdn.json --cp 4 --megatron-lm ~/Megatron-LM --dry-run
+    python -m megatron_kcp.launch configs/tiny-gdn.json --nproc-per-node 4 --cp 4 -- --train-iters 100
     python -m megatron_kcp.launch configs/qwen3-next-gdn.json --nnodes 2 --nproc-per-node 8 --tp 2 --cp 8 \\
         --master-addr node0 --node-rank 0 --megatron-lm ~/Megatron-LM -- --train-iters 100
 
-Inconsistent sizes (world size, heads, sequence length) fail here, before any process starts.
-Arguments after ``--`` go to pretrain_gpt.py unchanged.
+The trainer is ``megatron_kcp.train`` (pip-installed megatron-core only), or Megatron-LM's
+``pretrain_gpt.py`` with ``--megatron-lm DIR``. Inconsistent sizes (world size, heads, sequence
+length) fail here, before any process starts. Arguments after ``--`` go to the trainer unchanged.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -
              "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
              "--untie-embeddings-and-output-weights", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
              "--micro-batch-size", "1", "--lr", "3e-4", "--min-lr", "3e-5",
-             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1"]
+             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
+             "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0"]
     if sequence_parallel and tp > 1:
         args.append("--sequence-parallel")
     return args
@@ -78,13 +80,15 @@ def build_command(a) -> list[str]:
     preset = load_preset(a.preset)
     world = a.nnodes * a.nproc_per_node
     dp = check_sizes(preset, world, a.tp, a.cp, a.pp, a.sequence_parallel)
-    script = Path(a.megatron_lm).expanduser() / "pretrain_gpt.py" if a.megatron_lm else Path("pretrain_gpt.py")
+    trainer = [str(Path(a.megatron_lm).expanduser() / "pretrain_gpt.py")] if a.megatron_lm else ["-m", "megatron_kcp.train"]
     run = ["torchrun", f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}"]
-    if a.nnodes > 1:
+    if a.nnodes == 1:
+        run.append(f"--master-port={a.master_port}")
+    else:
         if not a.master_addr:
             raise ValueError("multi-node runs need --master-addr (or MASTER_ADDR) of the rank-0 node")
         run += [f"--node-rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}"]
-    cmd = run + [str(script)] + megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel) + a.extra
+    cmd = run + trainer + megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel) + a.extra
     if "--global-batch-size" not in a.extra:          # one micro batch of 1 per data-parallel rank
         cmd += ["--global-batch-size", str(dp)]
     return cmd
@@ -92,7 +96,7 @@ def build_command(a) -> list[str]:
 
 def parser():
     p = argparse.ArgumentParser(prog="python -m megatron_kcp.launch", description=__doc__.splitlines()[0],
-                                epilog="Arguments after -- go to pretrain_gpt.py.")
+                                epilog="Arguments after -- go to the trainer.")
     p.add_argument("preset", help="a JSON preset from configs/")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
@@ -103,7 +107,8 @@ def parser():
     p.add_argument("--node-rank", type=int, default=int(os.environ.get("SLURM_NODEID", 0)))
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
     p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
-    p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"), help="Megatron-LM checkout")
+    p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"),
+                   help="train with this Megatron-LM checkout's pretrain_gpt.py (default: megatron_kcp.train)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     return p
 
@@ -123,8 +128,6 @@ def main(argv=None):
     if a.dry_run:
         print(shlex.join(cmd))
         return 0
-    if not a.megatron_lm:
-        parser().error("--megatron-lm (or MEGATRON_LM) must point at a Megatron-LM checkout")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     os.execvp(cmd[0], cmd)
 

@@ -26,12 +26,19 @@ def test_presets_load_and_check(preset):
 def test_single_node_command(capsys):
     cmd = _dry(capsys, str(CONFIGS / "tiny-kda.json"), "--nproc-per-node", "4", "--cp", "4",
                "--megatron-lm", "/opt/Megatron-LM", "--", "--train-iters", "10")
-    assert cmd[:3] == ["torchrun", "--nnodes=1", "--nproc-per-node=4"]
-    assert cmd[3] == "/opt/Megatron-LM/pretrain_gpt.py"
+    assert cmd[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--master-port=29500"]
+    assert cmd[4] == "/opt/Megatron-LM/pretrain_gpt.py"
     i = cmd.index("--spec")
     assert cmd[i + 1:i + 3] == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
     assert cmd[cmd.index("--context-parallel-size") + 1] == "4"
     assert cmd[cmd.index("--global-batch-size") + 1] == "1" and cmd[-4:-2] == ["--train-iters", "10"]
+
+
+def test_pip_only_entry_is_the_default(capsys, monkeypatch):
+    monkeypatch.delenv("MEGATRON_LM", raising=False)
+    cmd = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--nproc-per-node", "2", "--cp", "2", "--master-port", "29611")
+    assert cmd[3:6] == ["--master-port=29611", "-m", "megatron_kcp.train"]
+    assert cmd[cmd.index("--hidden-dropout") + 1] == "0"       # CP runs must see the same function as CP=1
 
 
 def test_multi_node_command(capsys):

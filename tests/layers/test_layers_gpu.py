@@ -30,7 +30,7 @@ def _compare(model, tp, sequence_parallel):
 
 
 @pytest.mark.parametrize("model", ["gdn", "kda"])
-@pytest.mark.parametrize("world_size,tp,sp", [(2, 1, False), (4, 2, True), (4, 1, False)])
+@pytest.mark.parametrize("world_size,tp,sp", [(2, 1, False), (2, 2, True), (4, 2, True), (4, 1, False)])
 def test_mixer_on_gpu(model, world_size, tp, sp, monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_compare, world_size, model, tp, sp, tp=tp)

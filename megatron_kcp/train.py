@@ -1,0 +1,230 @@
+"""Train a GPT with the KCP layer specs using only the pip-installed megatron-core.
+
+    torchrun --nproc-per-node 4 -m megatron_kcp.train --spec megatron_kcp.spec gdn_hybrid_layer_spec \\
+        --context-parallel-size 4 --mock-data ... (Megatron's usual arguments)
+
+This is Megatron-LM's ``pretrain_gpt.py`` reduced to what a GPT needs (``megatron.training`` ships
+in the megatron-core wheel), plus the plugin's own command-line options (:func:`add_kcp_args`),
+checked at startup with the layout rules of KCP (:func:`validate_kcp_args`), and one progress line
+per step (loss, tokens/s, peak memory; ``--kcp-log FILE`` also writes them as JSON lines).
+``--spec megatron_kcp`` (one token) means the default hybrid spec, as with the patched Megatron-LM.
+``megatron_kcp.launch`` builds the command from a preset.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from functools import partial
+
+import torch
+
+KCP_SPECS = ("gdn_hybrid_layer_spec", "kda_hybrid_layer_spec", "default_spec")
+
+
+def add_kcp_args(parser):
+    """Megatron ``extra_args_provider``: the plugin's options."""
+    g = parser.add_argument_group("megatron_kcp")
+    g.add_argument("--kda-gate-rank", type=int, default=None,
+                   help="KDA: rank of the low-rank forget/output gate projections (default: value head dim)")
+    g.add_argument("--kda-norm-eps", type=float, default=1e-5, help="KDA: epsilon of the gated output RMSNorm")
+    g.add_argument("--kcp-log", default=None, help="also write the per-step progress as JSON lines to this file")
+    return parser
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def normalize_spec(spec):
+    """``--spec megatron_kcp`` -> the package's default spec; None -> the GDN hybrid."""
+    if not spec:
+        return ["megatron_kcp.spec", "gdn_hybrid_layer_spec"]
+    if list(spec) == ["megatron_kcp"]:
+        return ["megatron_kcp.spec", "default_spec"]
+    return list(spec)
+
+
+def validate_kcp_args(args):
+    """Checks Megatron's own validation does not make; raises ValueError naming the fix."""
+    spec = args.spec
+    if spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or spec[-1] not in KCP_SPECS:
+        raise ValueError(f"--spec {' '.join(spec)}: megatron_kcp.train builds the KCP hybrids only; use "
+                         f"--spec megatron_kcp.spec {{{','.join(KCP_SPECS[:2])}}} (or pretrain_gpt.py for others)")
+    if getattr(args, "experimental_attention_variant", None):
+        raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
+                         "drop it, the KCP spec provides the linear mixers")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    for n in ("linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(args, n) % tp:
+            raise ValueError(f"--{n.replace('_', '-')} {getattr(args, n)} is not divisible by "
+                             f"--tensor-model-parallel-size {tp} (the CP size needs no such match)")
+    if args.linear_num_value_heads % args.linear_num_key_heads:
+        raise ValueError("--linear-num-value-heads must be a multiple of --linear-num-key-heads")
+    unit = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    if args.seq_length % unit:
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of {unit} (2 x CP for Megatron's "
+                         "zigzag split" + (", times TP for sequence parallelism)" if args.sequence_parallel else ")"))
+    is_kda = "kda" in spec[-1]
+    if not is_kda and (args.kda_gate_rank is not None or args.kda_norm_eps != 1e-5):
+        raise ValueError("--kda-gate-rank/--kda-norm-eps apply to the KDA spec only: use --spec megatron_kcp.spec "
+                         "kda_hybrid_layer_spec or drop them")
+    if is_kda and args.kda_gate_rank is not None and (args.kda_gate_rank < 1 or args.kda_gate_rank % tp):
+        raise ValueError(f"--kda-gate-rank {args.kda_gate_rank} must be a positive multiple of the TP size {tp}")
+    if cp > 1 and args.transformer_impl == "transformer_engine" and not _te_available():
+        raise ValueError("--transformer-impl transformer_engine but TransformerEngine is not importable: "
+                         "install it or pass --transformer-impl local")
+
+
+def read_args(argv=None):
+    """Megatron's argument parser with the plugin's options, and the plugin's checks (before
+    Megatron's own). Defaults for a run without TransformerEngine (local layers, no TE fusions)
+    and without a tokenizer file (NullTokenizer)."""
+    from megatron.training import arguments
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not _te_available():       # Megatron's defaults assume TE's fused kernels
+        for flag, extra in (("--transformer-impl", ["local"]), ("--no-rope-fusion", []),
+                            ("--no-gradient-accumulation-fusion", []), ("--no-persist-layer-norm", [])):
+            if flag not in argv:
+                argv += [flag, *extra]
+    if "--tokenizer-type" not in argv:
+        argv += ["--tokenizer-type", "NullTokenizer"]
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]        # Megatron parses sys.argv
+    try:
+        args = arguments.parse_args(extra_args_provider=add_kcp_args)
+    finally:
+        sys.argv = saved
+    if args.use_checkpoint_args or args.yaml_cfg:
+        raise ValueError("--use-checkpoint-args / --yaml-cfg are not supported by megatron_kcp.train: pass the "
+                         "model arguments on the command line (megatron_kcp.launch builds them from a preset)")
+    args.spec = normalize_spec(args.spec)
+    validate_kcp_args(args)
+    return args
+
+
+def parse_args(argv=None):
+    """:func:`read_args`, then Megatron's validation; sets Megatron's global args."""
+    from megatron.training.arguments import validate_args
+    from megatron.training.global_vars import set_global_variables
+    args = read_args(argv)
+    validate_args(args)
+    set_global_variables(args)
+    return args
+
+
+# ---- the GPT training step, as pretrain_gpt.py does it for Megatron's [b, s] batches ----
+
+def get_batch(data_iterator):
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    args = get_args()
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch = {}
+    if ps.get_tensor_model_parallel_rank() == 0:
+        batch = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in next(data_iterator).items()}
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
+        broadcast_group=ps.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=ps.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=ps.is_pipeline_first_stage(), is_pipeline_last_stage=ps.is_pipeline_last_stage())
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+    return [batch.get(k) for k in keys]
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of token losses and token count; Megatron divides by the count across DP x CP."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files)
+    built_here = lambda: ps.get_tensor_model_parallel_rank() == 0  # noqa: E731  (TP rank 0 reads, then broadcasts)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset,
+                                         train_val_test_num_samples, built_here, config).build()
+
+
+datasets_provider.is_distributed = True      # every rank calls it (Megatron's convention)
+
+
+# ---- progress line ----
+
+class Progress:
+    """Wraps Megatron's ``training_log``: after its own log, the last rank prints
+    ``step | loss | tokens/s | peak memory`` for every step (and appends it to ``--kcp-log``)."""
+
+    def __init__(self, training_log, args):
+        self.log, self.args, self.t = training_log, args, time.perf_counter()
+
+    def __call__(self, loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw):
+        out = self.log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw)
+        now, dt = time.perf_counter(), time.perf_counter() - self.t
+        self.t = now
+        if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            loss = loss_dict.get("lm loss")
+            if isinstance(loss, torch.Tensor):
+                loss = (loss[0] / loss[1] if loss.numel() == 2 else loss).item()
+            row = {"step": iteration, "loss": loss,
+                   "tokens_per_s": self.args.global_batch_size * self.args.seq_length / dt,
+                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+            print(f"[kcp] step {iteration:5d} | loss {loss:.6f} | {row['tokens_per_s']:,.0f} tokens/s | "
+                  f"peak memory {row['peak_mem_gib']:.2f} GiB (rank {torch.distributed.get_rank()})", flush=True)
+            if self.args.kcp_log:
+                with open(self.args.kcp_log, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return out
+
+
+def main(argv=None):
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+    from megatron.training.argument_utils import (core_transformer_config_from_args, gpt_config_from_args,
+                                                  pretrain_cfg_container_from_args)
+
+    from megatron_kcp.layers.kda import KDAConfig
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        sys.exit(f"megatron_kcp.train: {e}")
+    # KDAConfig is TransformerConfig plus the KDA fields: the GDN spec ignores them
+    config = core_transformer_config_from_args(args, KDAConfig)
+    config.kda_gate_rank, config.kda_norm_eps = args.kda_gate_rank, args.kda_norm_eps
+    container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args, config=config))
+    training.training_log = Progress(training.training_log, args)
+    training.pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The pip-only training entry: its options, its startup checks, and the model it builds (CPU)."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from megatron_kcp import launch, train
+from tests.distributed import spawn
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def _argv(preset="tiny-gdn.json", tp=1, cp=1, sp=False, *extra):
+    args = launch.megatron_args(launch.load_preset(CONFIGS / preset), tp, cp, 1, sp)
+    return args + ["--global-batch-size", "1", "--train-iters", "10", *extra]
+
+
+def test_launcher_command_parses_with_plugin_options():
+    a = train.read_args(_argv("tiny-kda.json", 2, 2, True, "--kda-gate-rank", "32", "--kda-norm-eps", "1e-6"))
+    assert a.spec == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert (a.kda_gate_rank, a.kda_norm_eps) == (32, 1e-6)
+    assert a.context_parallel_size == 2 and a.sequence_parallel and a.linear_attention_freq == 4
+    if not train._te_available():
+        assert a.transformer_impl == "local" and not a.apply_rope_fusion
+
+
+def test_one_token_spec_is_the_default_hybrid():
+    argv = _argv()
+    i = argv.index("--spec")
+    argv[i + 1:i + 3] = ["megatron_kcp"]
+    assert train.read_args(argv).spec == ["megatron_kcp.spec", "default_spec"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (["--kda-gate-rank", "16"], "apply to the KDA spec only"),
+    (["--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel-size 3"),
+    (["--seq-length", "4100", "--context-parallel-size", "4"], "must be a multiple of 8"),
+    (["--linear-num-value-heads", "6"], "multiple of --linear-num-key-heads"),
+    (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "KCP hybrids only"),
+    (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
+])
+def test_bad_options_fail_at_startup_naming_the_fix(change, match):
+    with pytest.raises(ValueError, match=match):
+        train.read_args(_argv() + change)
+
+
+def test_kda_gate_rank_must_divide_by_tp():
+    with pytest.raises(ValueError, match="positive multiple of the TP size 2"):
+        train.read_args(_argv("tiny-kda.json", 2, 1, False, "--kda-gate-rank", "33"))
+
+
+def _build_and_run(preset, extra):
+    from tests import megatron_cpu
+    megatron_cpu.enable()
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
+
+    from megatron_kcp.layers.kda import KDAConfig
+    argv = [a for a in _argv(preset, 1, 1, False, *extra) if a != "--bf16"]
+    args = train.parse_args(argv + ["--use-cpu-initialization", "--num-layers", "2", "--linear-attention-freq", "2",
+                                   "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64"])
+    config = core_transformer_config_from_args(args, KDAConfig)
+    config.kda_gate_rank = args.kda_gate_rank
+    model_cfg = gpt_config_from_args(args, config=config)
+    model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    assert kinds[0].startswith("KCP") and kinds[1] == "SelfAttention", kinds
+    if args.kda_gate_rank:
+        assert model.decoder.layers[0].self_attention.f_proj[0].weight.shape[0] == args.kda_gate_rank
+    tokens = torch.randint(0, 1000, (1, 64))
+    loss = model(tokens, torch.arange(64)[None], None, labels=tokens)
+    loss.mean().backward()
+    assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("preset,extra", [("tiny-gdn.json", ()), ("tiny-kda.json", ("--kda-gate-rank", "16"))])
+def test_entry_builds_the_hybrid_gpt(preset, extra):
+    spawn(_build_and_run, 1, preset, extra)
