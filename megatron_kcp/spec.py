@@ -5,7 +5,9 @@ specs here are config-independent: every layer is one ``TransformerLayer`` whose
 :class:`HybridMixer`, becomes the linear mixer or softmax attention at construction, from
 ``config.linear_attention_freq`` (N: every Nth layer is attention; or a 0/1 list, 1 = linear) and
 the global layer number. TransformerEngine modules are used when importable, Megatron's local
-ones otherwise.
+ones otherwise, except that softmax attention's core is then
+:class:`megatron_kcp.layers.attention.CPDotProductAttention` (Megatron's local ``DotProductAttention``
+refuses CP > 1).
 """
 from __future__ import annotations
 
@@ -78,10 +80,15 @@ def kda_mixer_spec(backend=None) -> ModuleSpec:
 
 
 def attention_spec(backend=None) -> ModuleSpec:
+    from megatron.core.models.backends import LocalSpecProvider
     backend = backend or backend_provider()
+    core_attention = backend.core_attention()
+    if isinstance(backend, LocalSpecProvider):      # Megatron's local DotProductAttention refuses CP > 1
+        from megatron_kcp.layers.attention import CPDotProductAttention
+        core_attention = CPDotProductAttention
     return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                       submodules=SelfAttentionSubmodules(
-                          linear_qkv=backend.column_parallel_linear(), core_attention=backend.core_attention(),
+                          linear_qkv=backend.column_parallel_linear(), core_attention=core_attention,
                           linear_proj=backend.row_parallel_linear()))
 
 

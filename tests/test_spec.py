@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import spawn
+from tests.distributed import rel_err, spawn
 
 
-def _gpt(freq, name="gdn_hybrid_layer_spec"):
+def _gpt(freq, name="gdn_hybrid_layer_spec", **config):
     import tests.megatron_cpu
     tests.megatron_cpu.enable()
     from megatron.core.models.gpt import GPTModel
@@ -19,7 +19,7 @@ def _gpt(freq, name="gdn_hybrid_layer_spec"):
         num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
         normalization="RMSNorm", linear_attention_freq=freq, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, activation_func=F.silu,
-        add_bias_linear=False)
+        add_bias_linear=False, **config)
     torch.manual_seed(0)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=64)
 
@@ -49,6 +49,37 @@ def test_hybrid_gpt_model(freq, expected):
 
 def test_kda_hybrid_gpt_model():
     spawn(_build_and_run, 1, 2, ["kda", "attn", "kda", "attn"], "kda_hybrid_layer_spec")
+
+
+def _cp_loss(path):
+    """Loss summed over the tokens (and CP ranks) and the gradient of the first attention layer's QKV
+    weight (summed over CP ranks, as Megatron's gradient all-reduce over DP x CP does), saved by rank 0."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    group = ps.get_context_parallel_group()
+    model = _gpt(2, context_parallel_size=dist.get_world_size(group), hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": torch.arange(32).expand(2, 32)}
+    batch = get_batch_on_this_cp_rank(batch, False, group)       # Megatron's zigzag split (none at CP=1)
+    loss = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]).sum()
+    loss.backward()
+    attention = model.decoder.layers[1].self_attention
+    assert type(attention.core_attention).__name__ == "CPDotProductAttention"
+    loss, grad = loss.detach(), attention.linear_qkv.weight.grad
+    for t in (loss, grad):
+        dist.all_reduce(t, group=group)
+    if dist.get_rank() == 0:
+        torch.save({"loss": loss, "grad": grad}, path)
+
+
+def test_hybrid_gpt_model_cp2_matches_cp1(tmp_path):
+    """Without TE the hybrid's softmax layers run at CP > 1 (CPDotProductAttention): same loss and gradient."""
+    spawn(_cp_loss, 1, tmp_path / "cp1.pt")
+    spawn(_cp_loss, 2, tmp_path / "cp2.pt")
+    cp1, cp2 = torch.load(tmp_path / "cp1.pt"), torch.load(tmp_path / "cp2.pt")
+    assert rel_err(cp2["loss"], cp1["loss"]) < 1e-5
+    assert rel_err(cp2["grad"], cp1["grad"]) < 1e-5
 
 
 def test_bad_pattern():

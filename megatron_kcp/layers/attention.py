@@ -1,0 +1,141 @@
+"""Causal softmax core attention with context parallelism, without TransformerEngine.
+
+Megatron's local ``DotProductAttention`` refuses CP > 1 (only ``TEDotProductAttention`` has it), so
+the hybrid specs' softmax layers could not run at CP > 1 where TE is missing. ``CPDotProductAttention``
+takes the same constructor and forward arguments. Each CP rank holds Megatron's zigzag shard of the
+sequence (``get_batch_on_this_cp_rank``: 2W chunks, rank r holds chunks r and 2W-1-r); it all-gathers
+K and V over the CP group, puts the chunks in global order, and runs torch's
+``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
+end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
+the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+from torch.nn.attention.bias import causal_lower_right
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums every rank's gradient of this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_zigzag(x: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Every rank's zigzag shard ``[s_local, ...]`` -> the global sequence ``[W * s_local, ...]`` in order."""
+    g = _AllGatherSeq.apply(x, group).view(world_size, 2, x.shape[0] // 2, *x.shape[1:])
+    # rank r's halves are global chunks r and 2W-1-r: first halves in rank order, then second halves reversed
+    return torch.cat([g[:, 0], g[:, 1].flip(0)]).flatten(0, 1)
+
+
+def causal_sdpa(q, k, v, dropout_p: float, scale: float):
+    """``[b, h, sq, d]`` queries that are the last ``sq`` positions of the ``sk`` keys (lower-right causal).
+    A square problem uses ``is_causal`` (any kernel); otherwise torch's ``CausalBias`` picks flash or
+    memory-efficient attention when they apply and materialises the mask only when none does."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+
+
+class CPDotProductAttention(MegatronModule):
+    """Drop-in for megatron-core 0.19's local ``DotProductAttention`` (causal self-attention) with CP.
+
+    Inputs ``query [sq, b, np, hn]``, ``key``/``value [sq, b, ng, hn]`` (GQA: ``np`` divisible by ``ng``),
+    each the CP rank's zigzag shard; output ``[sq, b, np * hn]``. ``attention_mask`` is ignored: the mask
+    is causal by construction, as in TE's causal attention. ``cp_comm_type`` is accepted and ignored
+    (the one scheme here is an all-gather of K and V).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal or attention_type != "self":
+            raise ValueError(f"CPDotProductAttention is causal self-attention only, got attn_mask_type="
+                             f"{attn_mask_type}, attention_type={attention_type!r}; use TEDotProductAttention")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} needs TEDotProductAttention or Megatron's "
+                             "DotProductAttention (CP=1); CPDotProductAttention has vanilla softmax only")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ValueError("sliding-window attention is not supported by CPDotProductAttention; "
+                             "use TEDotProductAttention")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        # DotProductAttention divides the scale by layer_number under apply_query_key_layer_scaling and
+        # multiplies the scores back by it in its fp32 softmax: the net scale is the unscaled one
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        self.tp_group = getattr(pg_collection, "tp", None)     # for MegatronModule.sharded_state_dict
+        if self.tp_group is None:
+            self.tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+        cp = getattr(pg_collection, "cp", None)
+        self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1:
+            if self.cp_group is None:
+                raise RuntimeError(f"context_parallel_size={self.cp_size} but no CP process group exists: "
+                                   "initialise megatron.core.parallel_state (or pass pg_collection.cp) first")
+            if dist.get_world_size(self.cp_group) != self.cp_size:
+                raise RuntimeError(f"CP group has {dist.get_world_size(self.cp_group)} ranks, "
+                                   f"config.context_parallel_size={self.cp_size}")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (THD, packed_seq_params) are not supported by "
+                                      "CPDotProductAttention: install TransformerEngine, whose attention the "
+                                      "hybrid specs then use")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by CPDotProductAttention")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"CPDotProductAttention is causal only, got attn_mask_type={attn_mask_type}")
+        sq, b = query.shape[:2]
+        # [s, b, h, d] -> [b, h, s, d], the layout of scaled_dot_product_attention
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.cp_size == 1:
+            pieces = [(q, key.shape[0])]                 # queries are the last sq of sk positions (KV cache)
+        else:
+            if sq % 2 or key.shape[0] != sq:
+                raise ValueError(f"query/key lengths {sq}/{key.shape[0]}: with CP both must be the rank's zigzag "
+                                 "shard, and the sequence must divide by 2 * CP")
+            rank, c = dist.get_rank(self.cp_group), sq // 2
+            k = gather_zigzag(key, self.cp_group, self.cp_size).permute(1, 2, 0, 3)
+            v = gather_zigzag(value, self.cp_group, self.cp_size).permute(1, 2, 0, 3)
+            # query chunk j (global) sees the keys of chunks 0..j
+            pieces = [(q[:, :, :c], (rank + 1) * c), (q[:, :, c:], (2 * self.cp_size - rank) * c)]
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        # as DotProductAttention: without SP, dropout draws from the model-parallel RNG
+        use_tracker = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
+            out = torch.cat([causal_sdpa(qc, k[:, :, :end], v[:, :, :end], dropout_p, self.softmax_scale)
+                             for qc, end in pieces], dim=2)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
