@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -129,6 +130,8 @@ def main(argv=None):
         print(shlex.join(cmd))
         return 0
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if shutil.which("torchrun") is None:          # torch installed without its console scripts on PATH
+        cmd[:1] = [sys.executable, "-m", "torch.distributed.run"]
     os.execvp(cmd[0], cmd)
 
 

@@ -25,7 +25,7 @@ common=(--global-batch-size 2 --lr-decay-iters 100 --seed 1234 --save-interval 1
 train() {   # model run port launcher-args... -- trainer-args...
   local model=$1 run=$2 port=$3; shift 3
   local t0=$SECONDS
-  python -m megatron_kcp.launch "configs/tiny-$model.json" --nproc-per-node 2 --master-port "$port" "$@" \
+  timeout "${KCP_RUN_TIMEOUT:-240}" python -m megatron_kcp.launch "configs/tiny-$model.json" --nproc-per-node 2 --master-port "$port" "$@" \
     --kcp-log "$OUT/${model}_$run.jsonl" > "$OUT/${model}_$run.log" 2>&1
   echo "$model $run: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 }
