@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The CP benchmarks in one device call, run from the repo root:
+#   source .devbundle/setup.sh && bash scripts/device_bench.sh
+# Stages, in order of importance, each with a soft budget (bench_ops.py --budget: cases left are
+# skipped, the table still prints) and a hard limit (timeout): op level at H=16 over the token
+# counts, layer level, op level at H=64; then the exchange model beside the measured exchange.
+# Env: KCP_BENCH_W (CP size, default every GPU), KCP_BENCH_BUDGET (seconds for all stages, default
+# 480: fits a 10-minute call with the bundle's unpacking), KCP_BENCH_TOKENS (op level, default
+# "32768 131072 262144"), KCP_BENCH_HEADS (16), KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS
+# (64; empty skips that stage), KCP_BENCH_EXTRA (more bench_ops.py args; "--smoke" with
+# KCP_BENCH_W=2 walks the whole script on a CPU machine).
+# Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); every shape is tuned in untimed
+# warm-up calls. The tuning results (small JSON files) and tilelang's kernels are packed into
+# $OUT/tcache.tar.gz: carried back as .tcache/tcache.tar.gz, the next call loads them instead of
+# tuning, and spends its time measuring. $OUT gets at most 7 files (CSVs, PNGs if matplotlib
+# imports, logs.tar.gz, tcache.tar.gz); the tables are printed at the end.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
+export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
+unset KCP_FAST_AUTOTUNE
+logs="$OUT/logs"
+mkdir -p "$logs" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
+[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+W="${KCP_BENCH_W:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
+budget="${KCP_BENCH_BUDGET:-480}"
+tokens="${KCP_BENCH_TOKENS:-32768 131072 262144}"
+heads="${KCP_BENCH_HEADS:-16}"
+layer_tokens="${KCP_BENCH_LAYER_TOKENS:-32768}"
+large_heads="${KCP_BENCH_LARGE_HEADS-64}"
+read -r -a extra <<<"${KCP_BENCH_EXTRA:-}"
+t_start=$SECONDS
+left() { echo $((budget - (SECONDS - t_start))); }
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
+  python -c 'import tilelang; print("tilelang", tilelang.__version__)' 2>&1 | tail -1
+  echo "W=$W budget=${budget}s tokens=($tokens) heads=$heads layer_tokens=$layer_tokens large_heads=$large_heads extra=(${extra[*]:-})"
+} | tee "$logs/versions.txt"
+
+stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
+  local name=$1 soft=$2 hard=$3; shift 3
+  if [ "$hard" -lt 60 ]; then
+    echo "$name: skipped, ${hard}s left" | tee -a "$logs/summary.txt"; return
+  fi
+  local t0=$SECONDS
+  timeout -k 15 "$hard" python benchmarks/bench_ops.py --cp "$W" --budget "$soft" "$@" "${extra[@]}" \
+    > "$logs/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s (soft ${soft}s, hard ${hard}s)" | tee -a "$logs/summary.txt"
+}
+# shellcheck disable=SC2086  # word splitting of $tokens is intended
+stage ops $((budget * 45 / 100)) $((budget * 60 / 100)) --what ops --tokens $tokens --heads "$heads" \
+  --csv "$OUT/ops.csv"
+stage layers $(($(left) - 110)) $(($(left) - 70)) --what layers --tokens "$layer_tokens" --heads "$heads" \
+  --csv "$OUT/layers.csv"
+if [ -n "$large_heads" ]; then
+  stage ops_h"$large_heads" $(($(left) - 50)) $(($(left) - 15)) --what ops --tokens 32768 --heads "$large_heads" \
+    --csv "$OUT/ops_h$large_heads.csv"
+fi
+{
+  python benchmarks/exchange_model.py
+  echo
+  python benchmarks/exchange_model.py --model kda
+  for f in "$OUT"/ops*.csv; do [ -f "$f" ] && { echo; python benchmarks/exchange_model.py --check "$f"; }; done
+} > "$logs/exchange_model.txt" 2>&1
+
+# carry-back cache: autotune results and tilelang kernels (dropped if too big for a returned file)
+(cd /tmp/kcp-cache && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/tcache.tar.gz" -T -)
+if [ "$(stat -c %s "$OUT/tcache.tar.gz")" -gt 15000000 ]; then
+  (cd /tmp/kcp-cache && find triton -name '*.autotune.json' | tar -czf "$OUT/tcache.tar.gz" -T -)
+fi
+# at most 8 files come back from a device call: the logs travel as one archive
+(cd "$OUT" && tar -czf logs.tar.gz logs && rm -rf logs)
+
+tar -xzf "$OUT/logs.tar.gz" -O logs/versions.txt logs/summary.txt
+for name in ops layers ops_h"$large_heads"; do
+  log=$(tar -xzf "$OUT/logs.tar.gz" -O "logs/$name.log" 2>/dev/null) || continue
+  echo; echo "== $name"
+  # the final table when the stage finished, else the rows it printed before it was stopped
+  if grep -q "all rows:" <<<"$log"; then sed -n '/all rows:/,$p' <<<"$log" | grep -v '^wrote\|^no PNG'
+  else grep -E "^(model|GDN|KDA|\[rank)" <<<"$log"; echo "(stopped early; its last lines:)"; tail -5 <<<"$log"; fi
+  grep -E "^(wrote|no PNG)" <<<"$log"
+done
+echo; tar -xzf "$OUT/logs.tar.gz" -O logs/exchange_model.txt
+ls -la "$OUT"
