@@ -207,6 +207,17 @@ class Progress:
         return out
 
 
+def _prebuilt_dataset_helpers():
+    """The megatron-core wheel ships the dataset index helpers compiled but not their Makefile, and
+    Megatron's startup runs ``make`` on them regardless: skip that when the built module imports."""
+    from megatron.core.datasets import utils
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    utils.compile_helpers = lambda: None
+
+
 def main(argv=None):
     from megatron.core.enums import ModelType
     from megatron.training import training
@@ -223,6 +234,7 @@ def main(argv=None):
     config.kda_gate_rank, config.kda_norm_eps = args.kda_gate_rank, args.kda_norm_eps
     container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args, config=config))
     training.training_log = Progress(training.training_log, args)
+    _prebuilt_dataset_helpers()
     training.pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 

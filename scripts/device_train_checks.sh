@@ -52,9 +52,11 @@ chain() {   # all runs of one model, one after another (each uses both GPUs)
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
 } | tee "$OUT/versions.txt"
-chain gdn 29510 &
-chain kda 29610 &
-wait
+chain gdn 29510 & a=$!
+chain kda 29610 & b=$!
+( sleep "${KCP_TRAIN_BUDGET:-900}"; pkill -9 -f megatron_kcp ) & killer=$!   # leave time to pack the evidence
+wait $a $b
+kill $killer 2>/dev/null
 for m in gdn kda; do
   python scripts/loss_parity.py "$OUT/${m}_cp1.jsonl" "$OUT/${m}_cp2.jsonl" "$OUT/${m}_resume.jsonl" \
     "$OUT/${m}_crash.jsonl" "$OUT/${m}_restart.jsonl" --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 \

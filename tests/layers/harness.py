@@ -136,6 +136,8 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     cp = ps.get_context_parallel_world_size()
     dev = shape.device
     ref = build(model, config(model, shape), solo_pg(), dev)
+    for t in (*ref.parameters(), *ref.buffers()):   # one reference for all ranks: on GPU, Megatron initialises
+        dist.broadcast(t.data, src=0)               # some weights from a CUDA RNG seeded by the TP rank
     gen = torch.Generator().manual_seed(1)
     x, dy = (torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(dev) for _ in range(2))
     xr = x.clone().requires_grad_()
