@@ -13,6 +13,7 @@ per step (loss, tokens/s, peak memory; ``--kcp-log FILE`` also writes them as JS
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from functools import partial
@@ -126,7 +127,7 @@ def get_batch(data_iterator):
     keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
     batch = {}
     if ps.get_tensor_model_parallel_rank() == 0:
-        batch = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
+        batch = {k: (v.to(torch.cuda.current_device(), non_blocking=True) if isinstance(v, torch.Tensor) else v)
                  for k, v in next(data_iterator).items()}
     batch = get_batch_on_this_tp_rank(
         batch, has_cu_seqlens=False, is_hybrid_cp=False,
@@ -225,6 +226,7 @@ def main(argv=None):
                                                   pretrain_cfg_container_from_args)
 
     from megatron_kcp.layers.kda import KDAConfig
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # Megatron's TP/CP overlap needs it; before CUDA starts
     try:
         args = parse_args(argv)
     except ValueError as e:

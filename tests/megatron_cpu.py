@@ -24,3 +24,5 @@ def enable():
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None           # dist_checkpointing syncs before writing
     gdn_common.get_cuda_rng_tracker = tp.get_cuda_rng_tracker = lambda *a, **k: _CPUTracker()
+    import megatron.training.arguments as arguments
+    arguments.get_device_arch_version = lambda: 9            # argument checks ask the GPU generation

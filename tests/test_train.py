@@ -51,20 +51,31 @@ def test_kda_gate_rank_must_divide_by_tp():
         train.read_args(_argv("tiny-kda.json", 2, 1, False, "--kda-gate-rank", "33"))
 
 
-def _build_and_run(preset, extra):
+def _small_model(preset, cp, extra):
+    """train.parse_args on a shrunk preset, then the GPTModel the entry builds (CPU, fp32)."""
     from tests import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
     from megatron_kcp.layers.kda import KDAConfig
-    argv = [a for a in _argv(preset, 1, 1, False, *extra) if a != "--bf16"]
+    argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
     args = train.parse_args(argv + ["--use-cpu-initialization", "--num-layers", "2", "--linear-attention-freq", "2",
-                                   "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64"])
+                                   "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
+                                   "--vocab-size", "1000",
+                                   # Megatron's RoPE under CP indexes on CUDA; learned positions need no GPU
+                                   "--position-embedding-type", "learned_absolute"])
     config = core_transformer_config_from_args(args, KDAConfig)
     config.kda_gate_rank = args.kda_gate_rank
+    torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
     model_cfg = gpt_config_from_args(args, config=config)
-    model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    return args, model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _build_and_run(preset, extra):
+    args, model = _small_model(preset, 1, extra)
+    from megatron.training.training import get_train_valid_test_num_samples
+    assert get_train_valid_test_num_samples()[0] == 10      # what pretrain() asks of the arguments first
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
     assert kinds[0].startswith("KCP") and kinds[1] == "SelfAttention", kinds
     if args.kda_gate_rank:
@@ -78,3 +89,28 @@ def _build_and_run(preset, extra):
 @pytest.mark.parametrize("preset,extra", [("tiny-gdn.json", ()), ("tiny-kda.json", ("--kda-gate-rank", "16"))])
 def test_entry_builds_the_hybrid_gpt(preset, extra):
     spawn(_build_and_run, 1, preset, extra)
+
+
+def _training_step_loss(preset, out):
+    """The entry's own data path: mock dataset, get_batch (TP broadcast, CP zigzag split),
+    forward_step and loss_func; writes the loss over the CP group to ``out``."""
+    from megatron.core import parallel_state as ps
+    args, model = _small_model(preset, ps.get_context_parallel_world_size(), ())
+    train_ds, _, _ = train.datasets_provider([1, 0, 0])
+    batch = torch.utils.data.default_collate([train_ds[0]])
+    output, loss_fn = train.forward_step(iter([batch]), model)
+    loss, num_tokens, _ = loss_fn(output)
+    total = torch.stack([loss.detach(), num_tokens.float()])
+    torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
+    assert total[1] == 64, total        # every token counted once over the CP ranks
+    if torch.distributed.get_rank() == 0:
+        pathlib.Path(out).write_text(str((total[0] / total[1]).item()))
+
+
+@pytest.mark.parametrize("preset", ["tiny-gdn.json", "tiny-kda.json"])
+def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")      # Megatron's check for TP/CP > 1
+    spawn(_training_step_loss, 1, preset, tmp_path / "cp1")
+    spawn(_training_step_loss, 2, preset, tmp_path / "cp2")
+    cp1, cp2 = (float((tmp_path / n).read_text()) for n in ("cp1", "cp2"))
+    assert abs(cp2 - cp1) <= 1e-5 * abs(cp1), (cp1, cp2)
