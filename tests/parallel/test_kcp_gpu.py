@@ -33,11 +33,14 @@ def tolerance(name: str, dtype, kda: bool) -> float:
     if dtype == torch.float32 and not kda and hopper and name in ("dq", "dk", "dg"):
         return TILELANG_FP32_TOL
     return TOL[dtype]
-# CP vs one GPU: errors are relative to max(||single||, RMS 1). Inputs and output gradients are O(1);
-# where a gradient vanishes in exact arithmetic (the gate of a sequence's first token: tiny cases are
-# mostly such tokens) fla's value is a difference of O(1) terms, i.e. rounding noise of ~1e-2 in bf16,
-# and a relative error between two such noises means nothing (docs/gpu_runs.md, 2026-11-22).
-RMS_FLOOR = {torch.float32: 1.0, torch.bfloat16: 1.0}
+# CP vs one GPU: plain relative errors, except the gate gradient of the 1-token-piece cases ("tiny"),
+# where it vanishes in exact arithmetic at most tokens (a sequence's first token): fla's bf16 value
+# there is a difference of O(1) terms, i.e. rounding noise, and a relative error between two noises
+# means nothing, so that one is measured against max(||single||, RMS 1) (docs/gpu_runs.md). A floor
+# on every tensor hides real errors: o has an RMS far below 1 (such a floor showed 1e-5 where plain
+# relative errors were 2e-3).
+VANISHING = {("tiny", "dg")}
+RMS_FLOOR = 1.0
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
@@ -122,7 +125,7 @@ def _cp_vs_single(layout, kinds, dtype_name, out_dir):
                     dist.all_reduce(a, group=group)
                 else:
                     b = shard(plan, b)[0] if b.dim() >= 3 else b
-                errs[n] = rel_err(a, b, RMS_FLOOR[dtype])
+                errs[n] = rel_err(a, b, RMS_FLOOR if (kind, n) in VANISHING else 0.0)
             worst = torch.tensor(list(errs.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             errs = dict(zip(names, worst.tolist()))
