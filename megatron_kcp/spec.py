@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -62,12 +63,13 @@ class HybridMixer(MegatronModule):
         return build_module(spec, config=config, layer_number=layer_number, **kwargs)
 
 
-def gdn_mixer_spec(backend=None) -> ModuleSpec:
+def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
+    """The KCP GDN mixer, or ``module`` (megatron-core's cp2hp ``GatedDeltaNet``) with the same submodules."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 
     from megatron_kcp.layers.gdn import KCPGatedDeltaNet
     backend = backend or backend_provider()
-    return ModuleSpec(module=KCPGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+    return ModuleSpec(module=module or KCPGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=backend.column_parallel_linear(), out_norm=backend.layer_norm(rms_norm=True, for_qk=False),
         out_proj=backend.row_parallel_linear()))
 
@@ -116,3 +118,7 @@ def _bda():
 gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
 kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
 default_spec = gdn_hybrid_layer_spec
+
+# the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
+# benchmarks and long-context runs compare against
+cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))

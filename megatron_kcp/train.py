@@ -20,7 +20,8 @@ from functools import partial
 
 import torch
 
-KCP_SPECS = ("gdn_hybrid_layer_spec", "kda_hybrid_layer_spec", "default_spec")
+KCP_SPECS = ("gdn_hybrid_layer_spec", "kda_hybrid_layer_spec", "default_spec",
+             "cp2hp_gdn_hybrid_layer_spec")     # the last: megatron-core's GatedDeltaNet, for comparisons
 
 
 def add_kcp_args(parser):

@@ -114,3 +114,12 @@ def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
     spawn(_training_step_loss, 2, preset, tmp_path / "cp2")
     cp1, cp2 = (float((tmp_path / n).read_text()) for n in ("cp1", "cp2"))
     assert abs(cp2 - cp1) <= 1e-5 * abs(cp1), (cp1, cp2)
+
+
+def _builds_cp2hp_peer():
+    _, model = _small_model("tiny-gdn.json", 1, ("--spec", "megatron_kcp.spec", "cp2hp_gdn_hybrid_layer_spec"))
+    assert type(model.decoder.layers[0].self_attention).__name__ == "GatedDeltaNet"
+
+
+def test_entry_builds_the_cp2hp_peer():
+    spawn(_builds_cp2hp_peer, 1)
