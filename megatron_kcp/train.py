@@ -200,7 +200,7 @@ class Progress:
                 loss = (loss[0] / loss[1] if loss.numel() == 2 else loss).item()
             row = {"step": iteration, "loss": loss,
                    "tokens_per_s": self.args.global_batch_size * self.args.seq_length / dt,
-                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                   "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
             print(f"[kcp] step {iteration:5d} | loss {loss:.6f} | {row['tokens_per_s']:,.0f} tokens/s | "
                   f"peak memory {row['peak_mem_gib']:.2f} GiB (rank {torch.distributed.get_rank()})", flush=True)
             if self.args.kcp_log:

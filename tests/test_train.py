@@ -1,6 +1,7 @@
 """The pip-only training entry: its options, its startup checks, and the model it builds (CPU)."""
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -123,3 +124,21 @@ def _builds_cp2hp_peer():
 
 def test_entry_builds_the_cp2hp_peer():
     spawn(_builds_cp2hp_peer, 1)
+
+
+def _progress_line(log):
+    import argparse
+    calls = []
+    progress = train.Progress(lambda *a, **k: calls.append(a[3]) or "flag", argparse.Namespace(
+        global_batch_size=2, seq_length=4096, kcp_log=log))
+    for it in (1, 2):
+        assert progress({"lm loss": torch.tensor(2.5 / it)}, {}, 1e-4, it, 1.0, True, 0, 1.0, None, None, None) == "flag"
+    assert calls == [1, 2]          # Megatron's own log ran first, every step
+
+
+def test_progress_line_per_step(tmp_path, capfd):
+    spawn(_progress_line, 1, str(tmp_path / "log.jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and [r["loss"] for r in rows] == [2.5, 1.25]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "[kcp] step     2 | loss 1.250000 |" in capfd.readouterr().out
