@@ -20,11 +20,13 @@ printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from tests.fast_
 export PYTHONPATH="/tmp/kcp-site:$PWD:${PYTHONPATH:-}"
 ckpt=/tmp/kcp-ckpt
 rm -rf "$ckpt"
+deadline=$((SECONDS + ${KCP_TRAIN_BUDGET:-900}))
 common=(--global-batch-size 2 --lr-decay-iters 100 --seed 1234 --save-interval 10000)
 
 train() {   # model run port launcher-args... -- trainer-args...
   local model=$1 run=$2 port=$3; shift 3
   local t0=$SECONDS
+  if [ "$SECONDS" -ge "$deadline" ]; then echo "$model $run: not started (time budget)" >> "$OUT/summary.txt"; return; fi
   timeout "${KCP_RUN_TIMEOUT:-240}" python -m megatron_kcp.launch "configs/tiny-$model.json" --nproc-per-node 2 --master-port "$port" "$@" \
     --kcp-log "$OUT/${model}_$run.jsonl" > "$OUT/${model}_$run.log" 2>&1
   echo "$model $run: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
@@ -33,8 +35,8 @@ train() {   # model run port launcher-args... -- trainer-args...
 crash() {   # model port launcher-args...: train, and kill every process of the run once step 30 is logged
   local model=$1 log="$OUT/${1}_crash.jsonl"
   train "$model" crash "${@:2}" &
-  local pid=$! t=0
-  until grep -q '"step": 30' "$log" 2>/dev/null || [ $t -ge 1200 ]; do sleep 0.25; t=$((t + 1)); done
+  local pid=$!
+  until grep -q '"step": 30' "$log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 0.25; done
   pkill -9 -f -- "--kcp-log $log"
   wait $pid
 }
@@ -54,7 +56,10 @@ chain() {   # all runs of one model, one after another (each uses both GPUs)
 } | tee "$OUT/versions.txt"
 chain gdn 29510 & a=$!
 chain kda 29610 & b=$!
-( sleep "${KCP_TRAIN_BUDGET:-900}"; pkill -9 -f megatron_kcp ) & killer=$!   # leave time to pack the evidence
+# a time limit that leaves room to pack the evidence; the killer must not outlive the script (a
+# stray sleep holding the output open keeps the device call waiting)
+( trap 'kill $s 2>/dev/null; exit' TERM; sleep $((deadline > SECONDS ? deadline - SECONDS : 0)) & s=$!; wait $s; pkill -9 -f megatron_kcp ) &
+killer=$!
 wait $a $b
 kill $killer 2>/dev/null
 for m in gdn kda; do

@@ -16,6 +16,8 @@ from pathlib import Path
 
 
 def read(path) -> dict[int, float]:
+    if not Path(path).exists():          # a run that never logged a step: reported as failing below
+        return {}
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in rows}        # a restarted step overwrites its first attempt
 
@@ -38,7 +40,7 @@ def compare(runs: dict[str, dict], ref: dict, tol: float) -> list[str]:
 
 
 def table(runs: dict[str, dict], every: int = 10) -> list[str]:
-    steps = sorted(set().union(*runs.values()))
+    steps = sorted(set().union(*runs.values())) or [0]
     shown = [s for s in steps if s == steps[0] or s % every == 0 or s == steps[-1]]
     lines = ["step " + "".join(f"{n:>14}" for n in runs)]
     for s in shown:

@@ -1,0 +1,28 @@
+"""scripts/loss_parity.py: runs within tolerance pass, a diverging or empty run fails."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+spec = importlib.util.spec_from_file_location(
+    "loss_parity", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "loss_parity.py")
+loss_parity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loss_parity)
+
+
+def _log(path, losses, first=1):
+    path.write_text("".join(json.dumps({"step": first + i, "loss": v}) + "\n" for i, v in enumerate(losses)))
+    return str(path)
+
+
+def test_parity_passes_and_fails(tmp_path, capsys):
+    ref = _log(tmp_path / "cp1.jsonl", [10.0, 8.0, 6.0, 5.0])
+    near = _log(tmp_path / "cp2.jsonl", [10.0, 8.1, 6.0, 5.0])                   # 1.25e-2 at step 2
+    resumed = _log(tmp_path / "resume.jsonl", [6.0, 5.0], first=3)
+    assert loss_parity.main([ref, near, resumed, "--reference", ref, "--tol", "2e-2"]) == 0
+    assert "cp2: steps 1-4 (4), max rel diff 1.25e-02 at step 2: PASS" in capsys.readouterr().out
+    assert loss_parity.main([ref, near, "--reference", ref, "--tol", "1e-2"]) == 1
+    missing = str(tmp_path / "never_started.jsonl")
+    assert loss_parity.main([ref, missing, "--reference", ref]) == 1
+    assert "never_started: FAIL, no step in common" in capsys.readouterr().out
