@@ -3,7 +3,8 @@
 # hybrids trained with megatron_kcp.train on Megatron's mock data, bf16, global batch 2 x 4096 tokens:
 #   cp1      100 steps, CP=1 (DP=2)
 #   cp2      100 steps, CP=2, checkpoint at step 50
-#   resume   from cp2's step-50 checkpoint with TP=2, CP=1 to step 100
+#   resume   from cp2's step-50 checkpoint with TP=2, CP=1 to step 100 (RNG state not loaded: it is kept
+#            per TP rank, and with dropout off nothing draws from it)
 #   crash    CP=2, checkpoints every 20 steps, every process SIGKILLed once step 30 is logged (mid-step 31)
 #   restart  the crash command again with --load: resumes at step 20 and runs to 40
 # Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py compares them.
@@ -45,7 +46,7 @@ chain() {   # all runs of one model, one after another (each uses both GPUs)
   local m=$1 p=$2 ck="--save $ckpt/$1"
   train "$m" cp1 "$p" --cp 1 -- "${common[@]}" --train-iters 100
   train "$m" cp2 "$p" --cp 2 -- "${common[@]}" --train-iters 100 $ck-cp2 --save-interval 50
-  train "$m" resume "$p" --tp 2 --cp 1 -- "${common[@]}" --train-iters 100 --load "$ckpt/$m-cp2" --ckpt-step 50 \
+  train "$m" resume "$p" --tp 2 --cp 1 -- "${common[@]}" --train-iters 100 --load "$ckpt/$m-cp2" --ckpt-step 50 --no-load-rng \
     $ck-resume
   crash "$m" "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20
   train "$m" restart "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20 --load "$ckpt/$m-crash"
