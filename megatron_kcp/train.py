@@ -60,6 +60,11 @@ def validate_kcp_args(args):
     if getattr(args, "experimental_attention_variant", None):
         raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
                          "drop it, the KCP spec provides the linear mixers")
+    for flag in ("sft", "fim_data", "dataloader_inter_document_masking", "reset_attention_mask"):
+        if getattr(args, flag, False):       # batches with document boundaries need THD (cu_seqlens)
+            raise ValueError(f"--{flag.replace('_', '-')}: megatron_kcp.train feeds whole [b, s] sequences; "
+                             "for packed documents use Megatron-LM's pretrain_gpt.py with the KCP spec "
+                             "(the mixers take THD batches)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     for n in ("linear_num_key_heads", "linear_num_value_heads"):
         if getattr(args, n) % tp:

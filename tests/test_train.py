@@ -41,6 +41,7 @@ def test_one_token_spec_is_the_default_hybrid():
     (["--linear-num-value-heads", "6"], "multiple of --linear-num-key-heads"),
     (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "KCP hybrids only"),
     (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
+    (["--dataloader-inter-document-masking"], "pretrain_gpt.py with the KCP spec"),
 ])
 def test_bad_options_fail_at_startup_naming_the_fix(change, match):
     with pytest.raises(ValueError, match=match):
