@@ -1,0 +1,65 @@
+"""scripts/device_train_checks.sh walked through on the CPU with a stand-in trainer: the runs, the
+kill of the crash run once step 30 is logged, the restart from the last checkpoint, the time limit
+and the packed evidence (the real trainer runs on the device only)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FAKE_LAUNCH = '''
+import json, os, sys, time
+a = sys.argv[1:]
+def opt(name, default=None):
+    return a[len(a) - 1 - a[::-1].index(name) + 1] if name in a else default
+log, iters = opt("--kcp-log"), int(opt("--train-iters"))
+save, load, every = opt("--save"), opt("--load"), int(opt("--save-interval", 10**9))
+start = int(opt("--ckpt-step") or open(os.path.join(load, "latest")).read()) if load else 0
+for step in range(start + 1, iters + 1):
+    time.sleep(0.02)
+    with open(log, "a") as f:
+        f.write(json.dumps({"step": step, "loss": 10.0 / step}) + "\\n")
+    if save and step % every == 0:
+        os.makedirs(save, exist_ok=True)
+        open(os.path.join(save, "latest"), "w").write(str(step))
+'''
+
+
+def _run(tmp_path, budget):
+    repo = tmp_path / "repo"
+    for d in ("scripts", "configs"):
+        shutil.copytree(ROOT / d, repo / d)
+    for f, text in (("megatron_kcp/__init__.py", ""), ("megatron_kcp/launch.py", FAKE_LAUNCH),
+                    ("tests/__init__.py", ""), ("tests/fast_autotune.py", "def enable(): pass\n")):
+        (repo / f).parent.mkdir(exist_ok=True)
+        (repo / f).write_text(text)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "KCP_TRAIN_BUDGET": str(budget),
+           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "scripts/device_train_checks.sh"], cwd=repo, env=env, timeout=240,
+                   capture_output=True, check=False)
+    with tarfile.open(out / "evidence.tar.gz") as t:
+        return {pathlib.Path(m.name).name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
+
+
+def test_training_checks_flow(tmp_path):
+    files = _run(tmp_path, 600)
+    summary = files["summary.txt"]
+    for model in ("gdn", "kda"):
+        for run in ("cp1", "cp2", "resume", "restart"):
+            assert f"{model} {run}: exit 0" in summary, summary
+        assert f"{model} crash: exit 137" in summary, summary          # killed, not finished
+        crash = [int(line.split('"step": ')[1].split(",")[0]) for line in files[f"{model}_crash.jsonl"].splitlines()]
+        restart = files[f"{model}_restart.jsonl"].splitlines()
+        assert 30 <= max(crash) < 40 and '"step": 21,' in restart[0] and '"step": 40,' in restart[-1]
+        assert "all runs within tolerance" in files[f"{model}_parity.txt"]
+
+
+def test_training_checks_time_budget(tmp_path):
+    summary = _run(tmp_path, 0)["summary.txt"]
+    assert summary.count("not started (time budget)") == 10, summary
