@@ -32,7 +32,7 @@ suite layers_w2 tests/layers/test_layers_gpu.py -k "2-1-False" &
 suite layers_w4 tests/layers/test_layers_gpu.py -k "4-1-False or 4-2-True" &
 [ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS
-  timeout "$limit" python benchmarks/bench_kcp_op.py --memory-only --cp 4 --tokens 32768 --heads 16 \
+  timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
     --layouts contiguous zigzag --warmup 1 > "$OUT/memory.txt" 2>&1
   echo "memory: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 ) &

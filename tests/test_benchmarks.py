@@ -1,26 +1,24 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
-agreeing across methods), the exchange model (monotone in W, one case by hand, --check) and plot.py."""
+agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
+the reason, the table), the exchange model (monotone in W, one case by hand, --check) and plot.py."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_ops, memory
+from benchmarks import exchange_model as xm
+from benchmarks.table import COLUMNS
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 W, T, H, K = 2, 128, 2, 16                  # bench_ops.py --smoke sizes (fp32 on the CPU)
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod                 # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +35,7 @@ def smoke(tmp_path_factory):
 
 def test_smoke_prints_and_writes_every_row(smoke):
     stdout, rows, path = smoke
-    bench = _load("bench_ops")
-    assert list(rows[0]) == list(bench.COLUMNS)
+    assert list(rows[0]) == list(COLUMNS)
     assert "all rows:" in stdout and "x_cp2hp" in stdout and "CPU (smoke run" in stdout
     ops = {(r["model"], r["pass"], r["docs"], r["method"], r["layout"]) for r in rows if r["level"] == "ops"}
     methods = {("noCP", "-"), ("cp2hp", "zigzag"), ("kcp", "zigzag"), ("kcp", "contiguous")}
@@ -81,24 +78,22 @@ def test_plot_from_csv(smoke, tmp_path):
 
 
 def test_exchange_model_by_hand():
-    m = _load("exchange_model")
-    link = m.Link("NVLink", 10e-6, 150e9)
-    k = m.kcp_cost(2, m.Setup(heads=16, head_dim=128, slots=2, conv=1), link)
+    link = xm.Link("NVLink", 10e-6, 150e9)
+    k = xm.kcp_cost(2, xm.Setup(heads=16, head_dim=128, slots=2, conv=1), link)
     state = 2 * 16 * 128 * 256 * 4                      # 2 slots of 16 heads x 128 x (128 + 128) fp32
     assert state == 4 * 2**20
     assert k["recv"] == 2 * state                        # forward and backward, from the one other rank
     assert k["t_ag"] == pytest.approx(2 * (10e-6 + state / 150e9))    # 2 x 37.96 us
-    c = m.cp2hp_cost(2, m.Setup(heads=16, head_dim=128, tokens=32768, model="gdn"), link)
+    c = xm.cp2hp_cost(2, xm.Setup(heads=16, head_dim=128, tokens=32768, model="gdn"), link)
     shard = 16384 * 16                                   # T/W tokens x H heads on a rank
     b_in, b_out = (2 * 128 + 128 + 1) * 2 + 4, 128 * 2   # [q|k|v|beta] bf16 + fp32 g; o bf16
     assert c["recv"] == 2 * shard * (b_in + b_out) // 2  # forward and backward, half of each shard
     assert c["t"] == pytest.approx(2 * ((10e-6 + shard * b_in / 2 / 150e9) + (10e-6 + shard * b_out / 2 / 150e9)))
-    assert m.cp2hp_cost(32, m.Setup(heads=16), link) is None        # 16 heads cannot go over 32 ranks
+    assert xm.cp2hp_cost(32, xm.Setup(heads=16), link) is None        # 16 heads cannot go over 32 ranks
 
 
 def test_exchange_model_table_is_monotone_in_w(capsys):
-    m = _load("exchange_model")
-    m.main([])
+    xm.main([])
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split() and ln.split()[0].isdigit()]
     assert [int(ln[0]) for ln in lines] == [2**i for i in range(1, 11)]
     kcp_mib, kcp_ms = [float(ln[2]) for ln in lines], [float(ln[5]) for ln in lines]
@@ -107,9 +102,44 @@ def test_exchange_model_table_is_monotone_in_w(capsys):
 
 
 def test_exchange_model_check_reads_the_benchmark_csv(smoke, capsys):
-    m = _load("exchange_model")
-    m.main(["--check", str(smoke[2])])
+    xm.main(["--check", str(smoke[2])])
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if " single " in ln]
     assert len(rows) == 2 * 2 * 3                        # GDN, KDA x fwd, fwd+bwd x cp2hp, kcp x 2 layouts
     for r in rows:
         assert r[9] == r[10], r                          # measured bytes = the model's formula
+
+
+def _gpu_checks_memory_args() -> list[str]:
+    """The arguments scripts/device_gpu_checks.sh gives bench_ops.py --memory-only."""
+    script = (BENCH.parent / "scripts" / "device_gpu_checks.sh").read_text().replace("\\\n", " ")
+    line = re.search(r"benchmarks/bench_ops\.py (--memory-only[^>]*)>", script)
+    assert line, "device_gpu_checks.sh no longer runs bench_ops.py --memory-only"
+    return shlex.split(line.group(1))
+
+
+def test_memory_only_parses_the_device_command():
+    args = bench_ops.parse(_gpu_checks_memory_args())
+    assert args.memory_only and args.cp == [4] and args.tokens == [32768] and args.heads == [16]
+    assert args.layouts == ["contiguous", "zigzag"] and args.warmup == 1 and args.docs == ["single"]
+    with pytest.raises(SystemExit):                      # one case per report
+        bench_ops.parse(["--memory-only", "--tokens", "1024", "2048"])
+    with pytest.raises(SystemExit):                      # not a layout of the timed kcp rows
+        bench_ops.parse(["--layouts", "zigzag_per_doc"])
+
+
+def test_memory_only_refuses_the_cpu_and_says_why():
+    """It reads CUDA's peak-memory counters of fla's kernels: no CPU run, but a clear early exit."""
+    run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), *_gpu_checks_memory_args(), "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().endswith(memory.NEEDS_GPU), run.stderr[-2000:]
+    assert "needs a GPU" in memory.NEEDS_GPU
+
+
+def test_memory_table():
+    out = memory.table({"GDN": 2637.0, "KDA": 4497.0}, [("GDN", 4, "contiguous", 661.2), ("KDA", 4, "zigzag", 1128.0)])
+    assert out.splitlines() == [
+        "model  W layout           peak MiB/rank  x single",
+        "GDN    1 -                         2637     1.000",
+        "KDA    1 -                         4497     1.000",
+        "GDN    4 contiguous                 661     0.251",
+        "KDA    4 zigzag                    1128     0.251"]

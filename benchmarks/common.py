@@ -1,0 +1,79 @@
+"""What every benchmark shares: the documents, the inputs, the error measure, and the ranks."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)
+CONV = 4                                           # conv kernel size the plans carry (halo of 3 tokens)
+
+
+def cu_seqlens(docs: str, T: int) -> tuple[int, ...]:
+    if docs == "single":
+        return (0, T)
+    cu = tuple(round(c * T / VARLEN_32K[-1]) for c in VARLEN_32K)
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"T={T} is too short for the 10-document varlen set: use --tokens >= 512")
+    return cu
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in fp64, in slices (a 256k-token output in fp64 would be gigabytes)."""
+    num = den = 0.0
+    for x, y in zip(a.reshape(-1).split(1 << 24), b.reshape(-1).split(1 << 24)):
+        x, y = x.double(), y.double()
+        num += (x - y).square().sum().item()
+        den += y.square().sum().item()
+    return math.sqrt(num / max(den, 1e-60))
+
+
+def problem(model, T, H, K, dtype, device, seed, gate_dtype=torch.float32):
+    """q, k, v, g, beta [1, T, H(, K)] and do, as the mixers feed the kernel: g (log decay) in fp32
+    (``gate_dtype``: the memory report keeps the bf16 gate it has always measured with)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    like = dict(device=device, dtype=dtype, generator=gen)
+    xs = [torch.randn(1, T, H, K, **like) for _ in range(3)]
+    g = torch.randn(1, T, H, *((K,) if model == "KDA" else ()), device=device, dtype=gate_dtype, generator=gen)
+    xs += [torch.nn.functional.logsigmoid(g), torch.rand(1, T, H, **like)]
+    return xs, torch.randn(1, T, H, K, **like)
+
+
+def fresh_leaves(xs):
+    """Copies of ``xs`` that are leaves of the autograd graph, requiring their gradients."""
+    return [x.detach().clone().requires_grad_() for x in xs]
+
+
+def spawn(fn, W, *args):
+    """fn(rank, W, port, *args) on W processes, with a free port for their rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(fn, args=(W, port, *args), nprocs=W, start_method="spawn")
+
+
+def init_rank(rank, W, port, device_type) -> torch.device:
+    """The process group of one rank: gloo on the CPU; on GPUs NCCL with one GPU per rank, or gloo
+    with ranks sharing the GPUs round-robin when there are fewer (the memory report: peak memory is
+    per process, so sharing does not change it; timings refuse that in bench_ops.main)."""
+    warnings.simplefilter("ignore")              # library deprecation chatter would bury the table
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(W),
+                      LOCAL_RANK=str(rank))
+    if device_type == "cpu":
+        dist.init_process_group("gloo", rank=rank, world_size=W)
+        return torch.device("cpu")
+    ngpu = torch.cuda.device_count()
+    device = torch.device("cuda", rank % ngpu)
+    torch.cuda.set_device(device)
+    if W <= ngpu:
+        dist.init_process_group("nccl", rank=rank, world_size=W, device_id=device)
+    else:
+        from tests.distributed import gloo_accepts_stacked_all_gather
+        dist.init_process_group("gloo", rank=rank, world_size=W)
+        gloo_accepts_stacked_all_gather()
+    return device

@@ -1,0 +1,146 @@
+"""Op level: every method on one (model, tokens T, documents, heads H), fwd and fwd+bwd.
+
+noCP (the whole problem on one GPU, on every rank), cp2hp (cp2hp.py), kcp on the zigzag and
+contiguous layouts, and fla's own CP (``build_cp_context``, contiguous split, CUDA only).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem, rel_err
+from benchmarks.cp2hp import CP2HP
+from benchmarks.table import Table
+from benchmarks.timing import Bench
+
+
+def chunk_kernel(model: str, device: torch.device):
+    """o = run(q, k, v, g, beta, cu, cu_cpu, cp_context=None): fla's chunk kernel on CUDA, the
+    pure-torch chunked reference on CPU (no CP context there)."""
+    if device.type == "cpu":
+        from megatron_kcp.ops import reference
+
+        def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None):
+            return reference.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_cpu)[0]
+        return run
+    if model == "KDA":
+        from fla.ops.kda import chunk_kda as fn
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+
+    def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None):
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                  cp_context=cp_context)[0]
+    return run
+
+
+def op_steps(fn, leaves, do):
+    def make(pas):
+        if pas == "fwd":
+            def step():
+                with torch.no_grad():
+                    fn(*leaves)
+        else:
+            def step():
+                torch.autograd.grad(fn(*leaves), leaves, do)
+        return step
+    return make
+
+
+def ops_case(b: Bench, model, T, docs, H, table):
+    """Every method of one (model, T, docs, H); rows go to ``table`` (rank 0) as they finish."""
+    from megatron_kcp.ops import kcp
+    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    args, W, rank, dev = b.args, b.W, b.rank, b.device
+    cu = cu_seqlens(docs, T)
+    cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
+    xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=T + H + (model == "KDA"))
+    kernel = chunk_kernel(model, dev)
+    plans = {lay: [build_plan(cu, lay, W, r, CONV) for r in range(W)] for lay in ("zigzag", "contiguous")}
+    meta0 = dict(level="ops", model=model, tokens=T, docs=docs, heads=H)
+
+    def run(method, layout, fn, idx, width):
+        meta = dict(meta0, method=method, layout=layout, W=width)
+        if method not in args.methods:
+            return
+        pick = (lambda t: t) if idx is None else (lambda t: t[:, idx])
+        try:
+            leaves = fresh_leaves(pick(x) for x in xs)
+            dl = pick(do).contiguous()
+            nbytes = sum(x.nbytes for x in leaves)
+            # first call (fla tunes here): output and input gradients against noCP's
+            o = fn(*leaves)
+            errs = [rel_err(o.detach(), pick(o_ref))]
+            if grads_ref:
+                errs += [rel_err(d, pick(r)) for d, r in zip(torch.autograd.grad(o, leaves, dl), grads_ref)]
+            del o
+            err = b.max_over_ranks([max(errs)])[0]
+            rows = b.rows(meta, op_steps(fn, leaves, dl), {"fwd": nbytes, "fwd+bwd": nbytes + dl.nbytes}, err,
+                          args.passes)
+        except Exception as e:  # noqa: BLE001 - one method failing must not lose the others
+            rows = b.failed(meta, args.passes, e)
+        for r in rows:
+            table.add(r)
+        if b.cuda:
+            torch.cuda.empty_cache()
+
+    leaves = fresh_leaves(xs)
+    o_ref = kernel(*leaves, cu_dev, cu_cpu)
+    grads_ref = torch.autograd.grad(o_ref, leaves, do) if "fwd+bwd" in args.passes else ()
+    o_ref, leaves = o_ref.detach(), None
+    run("noCP", "-", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1)
+    zz = local_token_index(plans["zigzag"][rank]).to(dev)
+    ct = local_token_index(plans["contiguous"][rank]).to(dev)
+    if H % W:
+        for p in args.passes:
+            table.add(dict(meta0, method="cp2hp", layout="zigzag", W=W, **{"pass": p},
+                           note=f"n/a: H={H} heads cannot be split over W={W} ranks"))
+    else:
+        run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), zz, W)
+    backend = "fla" if b.cuda else "reference"
+    for layout, idx in (("zigzag", zz), ("contiguous", ct)):
+        if layout in args.layouts:
+            plan = plans[layout][rank]
+            run("kcp", layout, lambda *x, plan=plan: kcp.gated_delta_rule(*x, plan, dist.group.WORLD,
+                                                                          use_qk_l2norm=True, backend=backend),
+                idx, W)
+    if b.cuda:
+        from fla.ops.cp import build_cp_context
+        ctx = build_cp_context(cu_dev, group=dist.group.WORLD, cu_seqlens_cpu=cu_cpu)
+        run("fla-cp", "contiguous", lambda *x: kernel(*x, cp_context=ctx), ct, W)
+
+
+def prewarm(b: Bench):
+    """Autotune the single-GPU kernel shapes once, split over the ranks (each on its own GPU) so
+    they compile side by side: fla keeps the winners on disk (TRITON_CACHE_DIR), where the other
+    ranks find them instead of tuning again. The CP kernels tune in each method's own warm-up."""
+    args, W = b.args, b.W
+    shapes = sorted({(m, h) for m in args.models for H in args.heads for h in (H, H // W) if h == H or H % W == 0})
+    T = args.tokens[0]
+    cu = cu_seqlens("varlen", T)                   # every call passes cu_seqlens, so one kernel variant
+    for model, h in shapes[b.rank::W]:
+        t0 = time.time()
+        xs, do = problem(model, T, h, args.head_dim, b.dtype, b.device, seed=0)
+        leaves = fresh_leaves(xs)
+        o = chunk_kernel(model, b.device)(*leaves, torch.tensor(cu, device=b.device), torch.tensor(cu))
+        torch.autograd.grad(o, leaves, do)
+        b.sync()
+        print(f"[rank {b.rank}] tuned {model} H={h} T={T} in {time.time() - t0:.0f} s", flush=True)
+    dist.barrier()
+
+
+def run_ops(b: Bench, table: Table):
+    """Every op-level case of the command line, in its order; --budget skips those left."""
+    args = b.args
+    if b.cuda and args.prewarm:
+        prewarm(b)
+    for T in args.tokens:
+        for H in args.heads:
+            for model in args.models:
+                for docs in args.docs:
+                    if b.out_of_time():
+                        table.skipped(level="ops", model=model, tokens=T, docs=docs, heads=H, W=b.W)
+                        continue
+                    ops_case(b, model, T, docs, H, table)
