@@ -33,27 +33,33 @@ def load_preset(path: str | Path) -> dict:
     return preset
 
 
+def check_split(sizes: dict, tp: int, cp: int, sequence_parallel: bool, name=str, tp_flag: str = "--tp"):
+    """Heads divisible by TP, value heads a multiple of q/k heads, and a sequence that Megatron's zigzag
+    split can cut (2 x CP, times TP under sequence parallelism); ValueError naming the fix otherwise.
+    ``name`` spells a size the way the user wrote it (preset key or command-line flag)."""
+    for key in ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"):
+        if sizes.get(key) is not None and sizes[key] % tp:
+            raise ValueError(f"{name(key)} {sizes[key]} is not divisible by {tp_flag} {tp} "
+                             "(the CP size needs no such match)")
+    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+        raise ValueError(f"{name('linear_num_value_heads')} must be a multiple of {name('linear_num_key_heads')}")
+    unit = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+    if sizes["seq_length"] % unit:
+        raise ValueError(f"{name('seq_length')} {sizes['seq_length']} must be a multiple of {unit} (2 x CP for "
+                         "Megatron's zigzag split" + (", times TP for sequence parallelism)" if sequence_parallel else ")"))
+
+
 def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_parallel: bool) -> int:
     """Data-parallel size for this layout; ValueError naming the fix otherwise."""
     if world % (tp * cp * pp):
         raise ValueError(f"world size {world} is not a multiple of TP*CP*PP = {tp}*{cp}*{pp}: change "
                          "--nproc-per-node/--nnodes or the parallel sizes")
-    for key in ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"):
-        if key in p and p[key] % tp:
-            raise ValueError(f"{key}={p[key]} is not divisible by --tp {tp}")
-    if p["linear_num_value_heads"] % p["linear_num_key_heads"]:
-        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     for key in ("linear_key_head_dim", "linear_value_head_dim"):
         if p[key] > MAX_HEAD_DIM:
             raise ValueError(f"{key}={p[key]} exceeds the kernels' limit of {MAX_HEAD_DIM}")
     if p["num_layers"] % pp:
         raise ValueError(f"num_layers={p['num_layers']} is not divisible by --pp {pp}")
-    unit = 2 * cp if cp > 1 else 1               # Megatron's zigzag split of every sequence
-    if sequence_parallel and tp > 1:
-        unit *= tp
-    if p["seq_length"] % unit:
-        raise ValueError(f"seq_length={p['seq_length']} must be a multiple of {unit} "
-                         f"(2*CP{' * TP for sequence parallelism' if sequence_parallel and tp > 1 else ''})")
+    check_split(p, tp, cp, sequence_parallel)
     return world // (tp * cp * pp)
 
 

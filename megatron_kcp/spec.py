@@ -22,15 +22,22 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 def backend_provider():
     """TransformerEngine's spec provider when TE imports, Megatron's local one otherwise."""
-    try:
+    if te_available():
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-        import transformer_engine  # noqa: F401
         return TESpecProvider()
-    except ImportError:
-        from megatron.core.models.backends import LocalSpecProvider
-        return LocalSpecProvider()
+    from megatron.core.models.backends import LocalSpecProvider
+    return LocalSpecProvider()
 
 
 def is_linear_layer(config, layer_number: int) -> bool:

@@ -20,6 +20,9 @@ from functools import partial
 
 import torch
 
+from megatron_kcp.launch import check_split
+from megatron_kcp.spec import te_available
+
 KCP_SPECS = ("gdn_hybrid_layer_spec", "kda_hybrid_layer_spec", "default_spec",
              "cp2hp_gdn_hybrid_layer_spec")     # the last: megatron-core's GatedDeltaNet, for comparisons
 
@@ -32,14 +35,6 @@ def add_kcp_args(parser):
     g.add_argument("--kda-norm-eps", type=float, default=1e-5, help="KDA: epsilon of the gated output RMSNorm")
     g.add_argument("--kcp-log", default=None, help="also write the per-step progress as JSON lines to this file")
     return parser
-
-
-def _te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 def normalize_spec(spec):
@@ -66,23 +61,16 @@ def validate_kcp_args(args):
                              "for packed documents use Megatron-LM's pretrain_gpt.py with the KCP spec "
                              "(the mixers take THD batches)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    for n in ("linear_num_key_heads", "linear_num_value_heads"):
-        if getattr(args, n) % tp:
-            raise ValueError(f"--{n.replace('_', '-')} {getattr(args, n)} is not divisible by "
-                             f"--tensor-model-parallel-size {tp} (the CP size needs no such match)")
-    if args.linear_num_value_heads % args.linear_num_key_heads:
-        raise ValueError("--linear-num-value-heads must be a multiple of --linear-num-key-heads")
-    unit = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
-    if args.seq_length % unit:
-        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of {unit} (2 x CP for Megatron's "
-                         "zigzag split" + (", times TP for sequence parallelism)" if args.sequence_parallel else ")"))
+    sizes = {**vars(args), "num_query_groups": args.num_query_groups if args.group_query_attention else None}
+    check_split(sizes, tp, cp, args.sequence_parallel, name=lambda k: "--" + k.replace("_", "-"),
+                tp_flag="--tensor-model-parallel-size")
     is_kda = "kda" in spec[-1]
     if not is_kda and (args.kda_gate_rank is not None or args.kda_norm_eps != 1e-5):
         raise ValueError("--kda-gate-rank/--kda-norm-eps apply to the KDA spec only: use --spec megatron_kcp.spec "
                          "kda_hybrid_layer_spec or drop them")
     if is_kda and args.kda_gate_rank is not None and (args.kda_gate_rank < 1 or args.kda_gate_rank % tp):
         raise ValueError(f"--kda-gate-rank {args.kda_gate_rank} must be a positive multiple of the TP size {tp}")
-    if cp > 1 and args.transformer_impl == "transformer_engine" and not _te_available():
+    if cp > 1 and args.transformer_impl == "transformer_engine" and not te_available():
         raise ValueError("--transformer-impl transformer_engine but TransformerEngine is not importable: "
                          "install it or pass --transformer-impl local")
 
@@ -93,7 +81,7 @@ def read_args(argv=None):
     and without a tokenizer file (NullTokenizer)."""
     from megatron.training import arguments
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not _te_available():       # Megatron's defaults assume TE's fused kernels
+    if not te_available():       # Megatron's defaults assume TE's fused kernels
         for flag, extra in (("--transformer-impl", ["local"]), ("--no-rope-fusion", []),
                             ("--no-gradient-accumulation-fusion", []), ("--no-persist-layer-norm", [])):
             if flag not in argv:

@@ -23,7 +23,7 @@ def test_launcher_command_parses_with_plugin_options():
     assert a.spec == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
     assert (a.kda_gate_rank, a.kda_norm_eps) == (32, 1e-6)
     assert a.context_parallel_size == 2 and a.sequence_parallel and a.linear_attention_freq == 4
-    if not train._te_available():
+    if not train.te_available():
         assert a.transformer_impl == "local" and not a.apply_rope_fusion
 
 
