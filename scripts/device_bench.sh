@@ -17,11 +17,10 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
-export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
 unset KCP_FAST_AUTOTUNE
 logs="$OUT/logs"
-mkdir -p "$logs" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
-[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+mkdir -p "$logs"
+source scripts/device_cache.sh
 W="${KCP_BENCH_W:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
 budget="${KCP_BENCH_BUDGET:-480}"
 tokens="${KCP_BENCH_TOKENS:-32768 131072 262144}"
@@ -64,11 +63,7 @@ fi
   for f in "$OUT"/ops*.csv; do [ -f "$f" ] && { echo; python benchmarks/exchange_model.py --check "$f"; }; done
 } > "$logs/exchange_model.txt" 2>&1
 
-# carry-back cache: autotune results and tilelang kernels (dropped if too big for a returned file)
-(cd /tmp/kcp-cache && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/tcache.tar.gz" -T -)
-if [ "$(stat -c %s "$OUT/tcache.tar.gz")" -gt 15000000 ]; then
-  (cd /tmp/kcp-cache && find triton -name '*.autotune.json' | tar -czf "$OUT/tcache.tar.gz" -T -)
-fi
+save_cache
 # at most 8 files come back from a device call: the logs travel as one archive
 (cd "$OUT" && tar -czf logs.tar.gz logs && rm -rf logs)
 

@@ -9,10 +9,8 @@
 # $OUT/tcache.tar.gz: carried back as .tcache/tcache.tar.gz they spare the next machine compiling.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
-export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
 export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
-mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
-[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+source scripts/device_cache.sh
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
@@ -37,7 +35,7 @@ suite layers_w4 tests/layers/test_layers_gpu.py -k "4-1-False or 4-2-True" &
   echo "memory: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 ) &
 wait
-(cd /tmp/kcp-cache && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/tcache.tar.gz" -T -)
+save_cache
 # at most 8 files come back from a device call: logs and per-case errors travel as one archive
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt)
 tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt

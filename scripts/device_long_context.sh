@@ -7,9 +7,8 @@
 # tens of GB per rank at this length) can be set.
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore CUDA_DEVICE_MAX_CONNECTIONS=1
-export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang PYTHONPATH="$PWD:${PYTHONPATH:-}"
-mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
-[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+source scripts/device_cache.sh
 W=$(python -c 'import torch; print(torch.cuda.device_count())')
 seq=${SEQ:-1048576} steps=${STEPS:-4}
 for spec in gdn_hybrid_layer_spec cp2hp_gdn_hybrid_layer_spec; do
@@ -21,3 +20,4 @@ for spec in gdn_hybrid_layer_spec cp2hp_gdn_hybrid_layer_spec; do
   grep -h "\[kcp\]" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
   grep -h -m3 "Error\|error:" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
 done
+save_cache

@@ -12,9 +12,8 @@
 # Correctness runs: fla's autotuning is trimmed (KCP_FAST_AUTOTUNE), so tokens/s here are not benchmarks.
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore KCP_FAST_AUTOTUNE=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
-mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" /tmp/kcp-site
-[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+source scripts/device_cache.sh
+mkdir -p /tmp/kcp-site
 # every torchrun worker trims autotuning before fla imports
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from tests.fast_autotune import enable\n    enable()\n' \
   > /tmp/kcp-site/sitecustomize.py
@@ -68,7 +67,7 @@ for m in gdn kda; do
     "$OUT/${m}_crash.jsonl" "$OUT/${m}_restart.jsonl" --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 \
     > "$OUT/${m}_parity.txt" 2>&1
 done
-(cd /tmp/kcp-cache && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/tcache.tar.gz" -T -)
+save_cache
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt ./*.jsonl)
 tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt ./gdn_parity.txt ./kda_parity.txt
 tar -xzf "$OUT/evidence.tar.gz" -O ./gdn_cp2.log | grep -E "\[kcp\]|Error|error" | head -5

@@ -1,0 +1,14 @@
+# Sourced by the device_*.sh scripts: Triton's and tilelang's caches under /tmp/kcp-cache, seeded from
+# .tcache/tcache.tar.gz (carried into the call), and save_cache, which packs the autotune results
+# and tilelang kernels into $OUT/tcache.tar.gz for the next call (kernels dropped if the archive
+# would exceed what a call returns: 16 MB a file).
+export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
+mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
+[ -f .tcache/tcache.tar.gz ] && tar -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+
+save_cache() {
+  (cd /tmp/kcp-cache && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/tcache.tar.gz" -T -)
+  if [ "$(stat -c %s "$OUT/tcache.tar.gz")" -gt 15000000 ]; then
+    (cd /tmp/kcp-cache && find triton -name '*.autotune.json' | tar -czf "$OUT/tcache.tar.gz" -T -)
+  fi
+}
