@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import math
-import os
 import socket
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)
@@ -58,22 +56,9 @@ def spawn(fn, W, *args):
 
 
 def init_rank(rank, W, port, device_type) -> torch.device:
-    """The process group of one rank: gloo on the CPU; on GPUs NCCL with one GPU per rank, or gloo
-    with ranks sharing the GPUs round-robin when there are fewer (the memory report: peak memory is
-    per process, so sharing does not change it; timings refuse that in bench_ops.main)."""
+    """The process group of one rank (tests.distributed.init_process: with fewer GPUs than ranks they
+    share them over gloo, which only the memory report allows: peak memory is per process; timings
+    refuse it in bench_ops.main)."""
+    from tests.distributed import init_process
     warnings.simplefilter("ignore")              # library deprecation chatter would bury the table
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(W),
-                      LOCAL_RANK=str(rank))
-    if device_type == "cpu":
-        dist.init_process_group("gloo", rank=rank, world_size=W)
-        return torch.device("cpu")
-    ngpu = torch.cuda.device_count()
-    device = torch.device("cuda", rank % ngpu)
-    torch.cuda.set_device(device)
-    if W <= ngpu:
-        dist.init_process_group("nccl", rank=rank, world_size=W, device_id=device)
-    else:
-        from tests.distributed import gloo_accepts_stacked_all_gather
-        dist.init_process_group("gloo", rank=rank, world_size=W)
-        gloo_accepts_stacked_all_gather()
-    return device
+    return init_process(rank, W, port, device_type)

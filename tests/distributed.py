@@ -26,19 +26,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, tp, fn, args, errors):
+def init_process(rank: int, world_size: int, port: int, device_type: str | None = None) -> torch.device:
+    """One rank's rendezvous on localhost and process group: gloo on the CPU; on GPUs NCCL with a GPU
+    per rank, or gloo with ranks sharing the GPUs round-robin when there are fewer. Its device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        return torch.device("cpu")
+    ngpu = torch.cuda.device_count()
+    device = torch.device("cuda", rank % ngpu)
+    torch.cuda.set_device(device)
+    if world_size <= ngpu:
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        gloo_accepts_stacked_all_gather()
+    return device
+
+
+def _worker(rank, world_size, port, tp, fn, args, errors):
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     if os.environ.get("KCP_FAST_AUTOTUNE"):
         from tests.fast_autotune import enable
         enable()
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    if backend == "gloo" and torch.cuda.is_available():
-        gloo_accepts_stacked_all_gather()
+    init_process(rank, world_size, port)
     from megatron.core import parallel_state as ps
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world_size // tp)
@@ -64,13 +77,11 @@ def gloo_accepts_stacked_all_gather():
     dist.all_gather_into_tensor = all_gather_into_tensor
 
 
-def spawn(fn, world_size: int, *args, tp: int = 1, backend: str | None = None):
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+def spawn(fn, world_size: int, *args, tp: int = 1):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, _free_port(), backend, tp, fn, args, errors),
+        mp.start_processes(_worker, args=(world_size, _free_port(), tp, fn, args, errors),
                            nprocs=world_size, join=True, start_method="spawn")
     except mp.ProcessRaisedException:
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
