@@ -103,7 +103,8 @@ class CPDotProductAttention(MegatronModule):
                                    "initialise megatron.core.parallel_state (or pass pg_collection.cp) first")
             if dist.get_world_size(self.cp_group) != self.cp_size:
                 raise RuntimeError(f"CP group has {dist.get_world_size(self.cp_group)} ranks, "
-                                   f"config.context_parallel_size={self.cp_size}")
+                                   f"config.context_parallel_size={self.cp_size}: build the config with the "
+                                   "CP size that parallel_state (or pg_collection.cp) was initialised with")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -112,7 +113,8 @@ class CPDotProductAttention(MegatronModule):
                                       "CPDotProductAttention: install TransformerEngine, whose attention the "
                                       "hybrid specs then use")
         if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by CPDotProductAttention")
+            raise NotImplementedError("attention_bias is not supported by CPDotProductAttention: install "
+                                      "TransformerEngine, whose attention the hybrid specs then use")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"CPDotProductAttention is causal only, got attn_mask_type={attn_mask_type}")
         sq, b = query.shape[:2]
