@@ -4,7 +4,7 @@ Megatron's local ``DotProductAttention`` refuses CP > 1 (only ``TEDotProductAtte
 the hybrid specs' softmax layers could not run at CP > 1 where TE is missing. ``CPDotProductAttention``
 takes the same constructor and forward arguments. Each CP rank holds Megatron's zigzag shard of the
 sequence (``get_batch_on_this_cp_rank``: 2W chunks, rank r holds chunks r and 2W-1-r); it all-gathers
-K and V over the CP group, puts the chunks in global order, and runs torch's
+K and V (one collective) over the CP group, puts the chunks in global order, and runs torch's
 ``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
 end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
 the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads.
@@ -127,8 +127,9 @@ class CPDotProductAttention(MegatronModule):
                 raise ValueError(f"query/key lengths {sq}/{key.shape[0]}: with CP both must be the rank's zigzag "
                                  "shard, and the sequence must divide by 2 * CP")
             rank, c = dist.get_rank(self.cp_group), sq // 2
-            k = gather_zigzag(key, self.cp_group, self.cp_size).permute(1, 2, 0, 3)
-            v = gather_zigzag(value, self.cp_group, self.cp_size).permute(1, 2, 0, 3)
+            # K and V travel in one all-gather (one reduce-scatter back)
+            kv = gather_zigzag(torch.cat([key, value], -1), self.cp_group, self.cp_size).permute(1, 2, 0, 3)
+            k, v = kv.split([key.shape[-1], value.shape[-1]], -1)
             # query chunk j (global) sees the keys of chunks 0..j
             pieces = [(q[:, :, :c], (rank + 1) * c), (q[:, :, c:], (2 * self.cp_size - rank) * c)]
 
