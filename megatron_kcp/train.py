@@ -60,6 +60,8 @@ def validate_kcp_args(args):
             raise ValueError(f"--{flag.replace('_', '-')}: megatron_kcp.train feeds whole [b, s] sequences; "
                              "for packed documents use Megatron-LM's pretrain_gpt.py with the KCP spec "
                              "(the mixers take THD batches)")
+    if args.save and args.save_interval is None:     # Megatron would stop on a bare assert
+        raise ValueError("--save needs --save-interval N (steps between checkpoints)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     sizes = {**vars(args), "num_query_groups": args.num_query_groups if args.group_query_attention else None}
     check_split(sizes, tp, cp, args.sequence_parallel, name=lambda k: "--" + k.replace("_", "-"),

@@ -42,6 +42,7 @@ def test_one_token_spec_is_the_default_hybrid():
     (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "KCP hybrids only"),
     (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
     (["--dataloader-inter-document-masking"], "pretrain_gpt.py with the KCP spec"),
+    (["--save", "/tmp/kcp-ckpt"], "--save needs --save-interval"),
 ])
 def test_bad_options_fail_at_startup_naming_the_fix(change, match):
     with pytest.raises(ValueError, match=match):
