@@ -26,3 +26,12 @@ def enable():
     gdn_common.get_cuda_rng_tracker = tp.get_cuda_rng_tracker = lambda *a, **k: _CPUTracker()
     import megatron.training.arguments as arguments
     arguments.get_device_arch_version = lambda: 9            # argument checks ask the GPU generation
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
+    rope.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank     # Megatron's moves its index to CUDA
+
+
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """RoPE table rows of this rank's zigzag shard: chunks r and 2W-1-r of 2W."""
+    w, r = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * w, seq_dim)
+    return torch.cat([chunks[r], chunks[2 * w - 1 - r]], seq_dim)

@@ -65,9 +65,7 @@ def _small_model(preset, cp, extra):
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
     args = train.parse_args(argv + ["--use-cpu-initialization", "--num-layers", "2", "--linear-attention-freq", "2",
                                    "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
-                                   "--vocab-size", "1000",
-                                   # Megatron's RoPE under CP indexes on CUDA; learned positions need no GPU
-                                   "--position-embedding-type", "learned_absolute"])
+                                   "--vocab-size", "1000"])
     config = core_transformer_config_from_args(args, KDAConfig)
     config.kda_gate_rank = args.kda_gate_rank
     torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
@@ -94,29 +92,41 @@ def test_entry_builds_the_hybrid_gpt(preset, extra):
     spawn(_build_and_run, 1, preset, extra)
 
 
-def _training_step_loss(preset, out):
+def _training_step(preset, out):
     """The entry's own data path: mock dataset, get_batch (TP broadcast, CP zigzag split),
-    forward_step and loss_func; writes the loss over the CP group to ``out``."""
+    forward_step and loss_func, then backward; writes the mean token loss and every parameter's
+    gradient of it (summed over the CP ranks, as Megatron's gradient reduction does) to ``out``."""
     from megatron.core import parallel_state as ps
     args, model = _small_model(preset, ps.get_context_parallel_world_size(), ())
     train_ds, _, _ = train.datasets_provider([1, 0, 0])
     batch = torch.utils.data.default_collate([train_ds[0]])
     output, loss_fn = train.forward_step(iter([batch]), model)
     loss, num_tokens, _ = loss_fn(output)
+    (loss / 64).backward()
     total = torch.stack([loss.detach(), num_tokens.float()])
-    torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
+    group = ps.get_context_parallel_group()
+    torch.distributed.all_reduce(total, group=group)
     assert total[1] == 64, total        # every token counted once over the CP ranks
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        torch.distributed.all_reduce(g, group=group)
     if torch.distributed.get_rank() == 0:
-        pathlib.Path(out).write_text(str((total[0] / total[1]).item()))
+        torch.save({"loss": total[0] / total[1], "grads": grads}, out)
 
 
 @pytest.mark.parametrize("preset", ["tiny-gdn.json", "tiny-kda.json"])
 def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
+    """Loss and every gradient of the hybrid (linear mixers, softmax attention with RoPE, MLPs,
+    embeddings) at CP=2 equal CP=1 in fp32."""
+    from tests.distributed import rel_err
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")      # Megatron's check for TP/CP > 1
-    spawn(_training_step_loss, 1, preset, tmp_path / "cp1")
-    spawn(_training_step_loss, 2, preset, tmp_path / "cp2")
-    cp1, cp2 = (float((tmp_path / n).read_text()) for n in ("cp1", "cp2"))
-    assert abs(cp2 - cp1) <= 1e-5 * abs(cp1), (cp1, cp2)
+    spawn(_training_step, 1, preset, tmp_path / "cp1")
+    spawn(_training_step, 2, preset, tmp_path / "cp2")
+    cp1, cp2 = (torch.load(tmp_path / n) for n in ("cp1", "cp2"))
+    assert abs(cp2["loss"] - cp1["loss"]) <= 1e-5 * abs(cp1["loss"]), (cp1["loss"], cp2["loss"])
+    assert cp1["grads"].keys() == cp2["grads"].keys()
+    errs = {n: rel_err(cp2["grads"][n], g) for n, g in cp1["grads"].items()}
+    assert max(errs.values()) < 1e-4, sorted(errs.items(), key=lambda e: -e[1])[:5]
 
 
 def _builds_cp2hp_peer():
