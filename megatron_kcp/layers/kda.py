@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
+                                             sharded_state_dict_default)
 
 from megatron_kcp.layers.gdn import packed_plan
 from megatron_kcp.ops import kcp
@@ -125,6 +127,24 @@ class KCPKimiDeltaAttention(MegatronModule):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             torch.nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's default would save the tensors of plain torch modules (the short convs, the
+        low-rank ``Sequential`` pairs) and our own parameters as replicated: A_log, dt_bias and the
+        conv weights are split over TP by heads (dim 0), and the pairs hold Megatron linears."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp = self.pg_collection.tp
+        by_heads = {n: p for n, p in self.named_parameters() if n in ("A_log", "dt_bias") or "_conv1d." in n}
+        sd = make_sharded_tensors_for_checkpoint(by_heads, prefix, dict.fromkeys(by_heads, 0), sharded_offsets,
+                                                 tp_group=tp, dp_cp_group=metadata["dp_cp_group"])
+        for name, child in self.named_children():
+            if name.endswith("_conv1d"):
+                continue
+            parts = child.named_children() if isinstance(child, torch.nn.Sequential) else [("", child)]
+            for sub, m in parts:
+                sd.update(sharded_state_dict_default(m, f"{prefix}{name}.{sub + '.' if sub else ''}",
+                                                     sharded_offsets, metadata, tp_group=tp))
+        return sd
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **kwargs):
         if inference_context is not None:
