@@ -95,7 +95,10 @@ def build_command(a) -> list[str]:
         if not a.master_addr:
             raise ValueError("multi-node runs need --master-addr (or MASTER_ADDR) of the rank-0 node")
         run += [f"--node-rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}"]
-    cmd = run + trainer + megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel) + a.extra
+    model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel)
+    if a.fp32:
+        model.remove("--bf16")
+    cmd = run + trainer + model + a.extra
     if "--global-batch-size" not in a.extra:          # one micro batch of 1 per data-parallel rank
         cmd += ["--global-batch-size", str(dp)]
     return cmd
@@ -109,6 +112,7 @@ def parser():
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 (exact parity checks)")
     p.add_argument("--nnodes", type=int, default=int(os.environ.get("SLURM_NNODES", 1)))
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=int(os.environ.get("SLURM_NODEID", 0)))

@@ -4,10 +4,10 @@
 # tokens/s and peak memory from each run's progress lines, or the error a run stops with.
 #   source .devbundle/setup.sh && bash scripts/device_long_context.sh
 # SEQ (default 1048576), STEPS (default 4) and VOCAB (default 2048: 32000 would make the logits alone
-# tens of GB per rank at this length) can be set.
+# tens of GB per rank at this length) can be set. KCP_FAST_AUTOTUNE=1 trims fla's autotuning for both
+# runs alike (first steps then compile in seconds, later steps run slightly slower kernel configs).
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore CUDA_DEVICE_MAX_CONNECTIONS=1
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 source scripts/device_cache.sh
 W=$(python -c 'import torch; print(torch.cuda.device_count())')
 seq=${SEQ:-1048576} steps=${STEPS:-4}
@@ -21,3 +21,5 @@ for spec in gdn_hybrid_layer_spec cp2hp_gdn_hybrid_layer_spec; do
   grep -h -m3 "Error\|error:" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
 done
 save_cache
+# at most 8 files come back from a device call: logs and losses travel as one archive
+(cd "$OUT" && tar -czf long_evidence.tar.gz --remove-files ./long_*.log ./long_*.jsonl ./long_summary.txt)

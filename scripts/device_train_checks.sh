@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # Training evidence in one device call on 2 GPUs (see docs/gpu_runs.md): the tiny GDN and KDA
-# hybrids trained with megatron_kcp.train on Megatron's mock data, bf16, global batch 2 x 4096 tokens:
-#   cp1      100 steps, CP=1 (DP=2)
-#   cp2      100 steps, CP=2, checkpoint at step 50
-#   resume   from cp2's step-50 checkpoint with TP=2, CP=1 to step 100 (RNG state not loaded: it is kept
-#            per TP rank, and with dropout off nothing draws from it)
-#   crash    CP=2, checkpoints every 20 steps, every process SIGKILLed once step 30 is logged (mid-step 31)
-#   restart  the crash command again with --load: resumes at step 20 and runs to 40
-# Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py compares them.
+# hybrids trained with megatron_kcp.train on Megatron's mock data, global batch 2 x 4096 tokens.
+# Runs (bf16 unless named fp32):
+#   cp1        100 steps, CP=1 (DP=2)
+#   dp1        100 steps, CP=1 on one GPU (DP=1, two micro-batches): cp1's math in another summation
+#              order, the bf16 noise floor of the comparison
+#   cp2        100 steps, CP=2, checkpoint at step 50
+#   resume     from cp2's step-50 checkpoint with TP=2, CP=1 to step 100 (RNG state not loaded: it is
+#              kept per TP rank, and with dropout off nothing draws from it)
+#   crash      CP=2, checkpoints every 20 steps, every process SIGKILLed once step 30 is logged (mid-step 31)
+#   restart    the crash command again with --load: resumes at step 20 and runs to 40
+#   fp32_cp1, fp32_cp2   cp1 and cp2 in fp32 (--fp32)
+# KCP_TRAIN_CHAINS lists chains "model:run,run,..." (default: every run of both models, one chain
+# per model); chains run side by side, the runs of a chain one after another (resume after cp2,
+# restart after crash). Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py
+# compares the bf16 runs with cp2 and fp32_cp2 with fp32_cp1.
 #   source .devbundle/setup.sh && bash scripts/device_train_checks.sh
 # Correctness runs: fla's autotuning is trimmed (KCP_FAST_AUTOTUNE), so tokens/s here are not benchmarks.
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore KCP_FAST_AUTOTUNE=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 source scripts/device_cache.sh
-mkdir -p /tmp/kcp-site
-# every torchrun worker trims autotuning before fla imports
-printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from tests.fast_autotune import enable\n    enable()\n' \
-  > /tmp/kcp-site/sitecustomize.py
-export PYTHONPATH="/tmp/kcp-site:$PWD:${PYTHONPATH:-}"
 ckpt=/tmp/kcp-ckpt
 rm -rf "$ckpt"
 deadline=$((SECONDS + ${KCP_TRAIN_BUDGET:-900}))
@@ -41,33 +43,53 @@ crash() {   # model port launcher-args...: train, and kill every process of the 
   wait $pid
 }
 
-chain() {   # all runs of one model, one after another (each uses both GPUs)
-  local m=$1 p=$2 ck="--save $ckpt/$1"
-  train "$m" cp1 "$p" --cp 1 -- "${common[@]}" --train-iters 100
-  train "$m" cp2 "$p" --cp 2 -- "${common[@]}" --train-iters 100 $ck-cp2 --save-interval 50
-  train "$m" resume "$p" --tp 2 --cp 1 -- "${common[@]}" --train-iters 100 --load "$ckpt/$m-cp2" --ckpt-step 50 --no-load-rng \
-    $ck-resume
-  crash "$m" "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20
-  train "$m" restart "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20 --load "$ckpt/$m-crash"
+run() {   # model port name
+  local m=$1 p=$2 n=$3 ck="--save $ckpt/$1"
+  case $n in
+    cp1) train "$m" cp1 "$p" --cp 1 -- "${common[@]}" --train-iters 100 ;;
+    dp1) train "$m" dp1 "$p" --nproc-per-node 1 --cp 1 -- "${common[@]}" --train-iters 100 ;;
+    cp2) train "$m" cp2 "$p" --cp 2 -- "${common[@]}" --train-iters 100 $ck-cp2 --save-interval 50 ;;
+    resume) train "$m" resume "$p" --tp 2 --cp 1 -- "${common[@]}" --train-iters 100 --load "$ckpt/$m-cp2" \
+      --ckpt-step 50 --no-load-rng $ck-resume ;;
+    crash) crash "$m" "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20 ;;
+    restart) train "$m" restart "$p" --cp 2 -- "${common[@]}" --train-iters 40 $ck-crash --save-interval 20 \
+      --load "$ckpt/$m-crash" ;;
+    fp32_cp1) train "$m" fp32_cp1 "$p" --fp32 --cp 1 -- "${common[@]}" --train-iters 100 ;;
+    fp32_cp2) train "$m" fp32_cp2 "$p" --fp32 --cp 2 -- "${common[@]}" --train-iters 100 ;;
+    *) echo "$m $n: unknown run" >> "$OUT/summary.txt" ;;
+  esac
+}
+
+chain() {   # "model:run,run,..." port: the runs one after another (each uses both GPUs but dp1)
+  local m=${1%%:*} runs
+  IFS=, read -r -a runs <<<"${1#*:}"
+  for n in "${runs[@]}"; do run "$m" "$2" "$n"; done
 }
 
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
 } | tee "$OUT/versions.txt"
-chain gdn 29510 & a=$!
-chain kda 29610 & b=$!
+all=cp1,dp1,cp2,resume,crash,restart,fp32_cp1,fp32_cp2
+pids=() port=29510
+for c in ${KCP_TRAIN_CHAINS:-gdn:$all kda:$all}; do
+  chain "$c" $port & pids+=($!)
+  port=$((port + 100))
+done
 # a time limit that leaves room to pack the evidence; the killer must not outlive the script (a
 # stray sleep holding the output open keeps the device call waiting)
 ( trap 'kill $s 2>/dev/null; exit' TERM; sleep $((deadline > SECONDS ? deadline - SECONDS : 0)) & s=$!; wait $s; pkill -9 -f megatron_kcp ) &
 killer=$!
-wait $a $b
+wait "${pids[@]}"
 kill $killer 2>/dev/null
 for m in gdn kda; do
-  python scripts/loss_parity.py "$OUT/${m}_cp1.jsonl" "$OUT/${m}_cp2.jsonl" "$OUT/${m}_resume.jsonl" \
-    "$OUT/${m}_crash.jsonl" "$OUT/${m}_restart.jsonl" --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 \
-    > "$OUT/${m}_parity.txt" 2>&1
+  bf16=() fp32=()
+  for n in cp1 dp1 resume crash restart; do [ -f "$OUT/${m}_$n.jsonl" ] && bf16+=("$OUT/${m}_$n.jsonl"); done
+  [ -f "$OUT/${m}_cp2.jsonl" ] && [ ${#bf16[@]} -gt 0 ] && python scripts/loss_parity.py "${bf16[@]}" \
+    --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 > "$OUT/${m}_parity.txt" 2>&1
+  [ -f "$OUT/${m}_fp32_cp1.jsonl" ] && python scripts/loss_parity.py "$OUT/${m}_fp32_cp2.jsonl" \
+    --reference "$OUT/${m}_fp32_cp1.jsonl" --tol 1e-3 > "$OUT/${m}_parity_fp32.txt" 2>&1
 done
 save_cache
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt ./*.jsonl)
-tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt ./gdn_parity.txt ./kda_parity.txt
-tar -xzf "$OUT/evidence.tar.gz" -O ./gdn_cp2.log | grep -E "\[kcp\]|Error|error" | head -5
+tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt
+tar -xzf "$OUT/evidence.tar.gz" -O --wildcards './*parity*.txt' 2>/dev/null

@@ -30,7 +30,7 @@ for step in range(start + 1, iters + 1):
 '''
 
 
-def _run(tmp_path, budget):
+def _run(tmp_path, budget, chains=None):
     repo = tmp_path / "repo"
     for d in ("scripts", "configs"):
         shutil.copytree(ROOT / d, repo / d)
@@ -41,6 +41,9 @@ def _run(tmp_path, budget):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "KCP_TRAIN_BUDGET": str(budget),
            "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("KCP_TRAIN_CHAINS", None)
+    if chains:
+        env["KCP_TRAIN_CHAINS"] = chains
     subprocess.run(["bash", "scripts/device_train_checks.sh"], cwd=repo, env=env, timeout=240,
                    capture_output=True, check=False)
     with tarfile.open(out / "evidence.tar.gz") as t:
@@ -51,15 +54,23 @@ def test_training_checks_flow(tmp_path):
     files = _run(tmp_path, 600)
     summary = files["summary.txt"]
     for model in ("gdn", "kda"):
-        for run in ("cp1", "cp2", "resume", "restart"):
+        for run in ("cp1", "dp1", "cp2", "resume", "restart", "fp32_cp1", "fp32_cp2"):
             assert f"{model} {run}: exit 0" in summary, summary
         assert f"{model} crash: exit 137" in summary, summary          # killed, not finished
         crash = [int(line.split('"step": ')[1].split(",")[0]) for line in files[f"{model}_crash.jsonl"].splitlines()]
         restart = files[f"{model}_restart.jsonl"].splitlines()
         assert 30 <= max(crash) < 40 and '"step": 21,' in restart[0] and '"step": 40,' in restart[-1]
         assert "all runs within tolerance" in files[f"{model}_parity.txt"]
+        assert "all runs within tolerance" in files[f"{model}_parity_fp32.txt"]
+
+
+def test_training_checks_chosen_chains(tmp_path):
+    files = _run(tmp_path, 600, chains="kda:cp2,resume gdn:dp1")
+    runs = sorted(line.split(":")[0] for line in files["summary.txt"].splitlines())
+    assert runs == ["gdn dp1", "kda cp2", "kda resume"], files["summary.txt"]
+    assert "kda_resume: steps 51-100" in files["kda_parity.txt"]
 
 
 def test_training_checks_time_budget(tmp_path):
     summary = _run(tmp_path, 0)["summary.txt"]
-    assert summary.count("not started (time budget)") == 10, summary
+    assert summary.count("not started (time budget)") == 16, summary

@@ -39,6 +39,8 @@ def test_pip_only_entry_is_the_default(capsys, monkeypatch):
     cmd = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--nproc-per-node", "2", "--cp", "2", "--master-port", "29611")
     assert cmd[3:6] == ["--master-port=29611", "-m", "megatron_kcp.train"]
     assert cmd[cmd.index("--hidden-dropout") + 1] == "0"       # CP runs must see the same function as CP=1
+    assert "--bf16" in cmd
+    assert "--bf16" not in _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--fp32")
 
 
 def test_multi_node_command(capsys):
