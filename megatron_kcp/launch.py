@@ -77,7 +77,10 @@ def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -
              "--untie-embeddings-and-output-weights", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
              "--micro-batch-size", "1", "--lr", "3e-4", "--min-lr", "3e-5",
              "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
-             "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000"]
+             "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000",
+             # the specs' attention is causal by construction and never reads the dataloader's s x s mask,
+             # which at 1M tokens would be a terabyte per sample
+             "--no-create-attention-mask-in-dataloader"]
     if sequence_parallel and tp > 1:
         args.append("--sequence-parallel")
     return args

@@ -79,8 +79,8 @@ def validate_kcp_args(args):
 
 def read_args(argv=None):
     """Megatron's argument parser with the plugin's options, and the plugin's checks (before
-    Megatron's own). Defaults for a run without TransformerEngine (local layers, no TE fusions)
-    and without a tokenizer file (NullTokenizer)."""
+    Megatron's own). Defaults for a run without TransformerEngine (local layers, no TE fusions),
+    without a tokenizer file (NullTokenizer) and without the dataloader's attention mask."""
     from megatron.training import arguments
     argv = list(sys.argv[1:] if argv is None else argv)
     if not te_available():       # Megatron's defaults assume TE's fused kernels
@@ -90,6 +90,8 @@ def read_args(argv=None):
                 argv += [flag, *extra]
     if "--tokenizer-type" not in argv:
         argv += ["--tokenizer-type", "NullTokenizer"]
+    if "--no-create-attention-mask-in-dataloader" not in argv:     # s x s bytes per sample, read by no layer
+        argv.append("--no-create-attention-mask-in-dataloader")    # of the KCP specs (causal by construction)
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]        # Megatron parses sys.argv
     try:
         args = arguments.parse_args(extra_args_provider=add_kcp_args)

@@ -25,6 +25,9 @@ def test_launcher_command_parses_with_plugin_options():
     assert a.context_parallel_size == 2 and a.sequence_parallel and a.linear_attention_freq == 4
     if not train.te_available():
         assert a.transformer_impl == "local" and not a.apply_rope_fusion
+    assert not a.create_attention_mask_in_dataloader         # s x s per sample: 1 TB at 1M tokens
+    argv = [x for x in _argv() if x != "--no-create-attention-mask-in-dataloader"]
+    assert not train.read_args(argv).create_attention_mask_in_dataloader
 
 
 def test_one_token_spec_is_the_default_hybrid():
@@ -54,8 +57,13 @@ def test_kda_gate_rank_must_divide_by_tp():
         train.read_args(_argv("tiny-kda.json", 2, 1, False, "--kda-gate-rank", "33"))
 
 
-def _small_model(preset, cp, extra):
-    """train.parse_args on a shrunk preset, then the GPTModel the entry builds (CPU, fp32)."""
+SMALL = ("--num-layers", "2", "--linear-attention-freq", "2", "--hidden-size", "64", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--vocab-size", "1000")
+
+
+def _small_model(preset, cp, extra, shrink=SMALL):
+    """train.parse_args on a preset (shrunk unless ``shrink=()``), then the GPTModel the entry builds
+    (fp32, initialised on the CPU: the same weights at every CP size)."""
     from tests import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -63,9 +71,7 @@ def _small_model(preset, cp, extra):
 
     from megatron_kcp.layers.kda import KDAConfig
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
-    args = train.parse_args(argv + ["--use-cpu-initialization", "--num-layers", "2", "--linear-attention-freq", "2",
-                                   "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
-                                   "--vocab-size", "1000"])
+    args = train.parse_args(argv + ["--use-cpu-initialization", *shrink])
     config = core_transformer_config_from_args(args, KDAConfig)
     config.kda_gate_rank = args.kda_gate_rank
     torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
