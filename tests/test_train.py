@@ -61,9 +61,11 @@ SMALL = ("--num-layers", "2", "--linear-attention-freq", "2", "--hidden-size", "
          "--max-position-embeddings", "64", "--vocab-size", "1000")
 
 
-def _small_model(preset, cp, extra, shrink=SMALL):
+def _small_model(preset, cp, extra, shrink=SMALL, cpu_init=True):
     """train.parse_args on a preset (shrunk unless ``shrink=()``), then the GPTModel the entry builds
-    (fp32, initialised on the CPU: the same weights at every CP size)."""
+    (fp32; initialised on the CPU unless ``cpu_init=False``). Returns the args and a builder
+    ``build(startup_draws=0)``: ``startup_draws`` numbers are drawn from the default CUDA generator
+    after seeding, as Megatron's fusion warm-up does before it builds the model."""
     from tests import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -71,16 +73,24 @@ def _small_model(preset, cp, extra, shrink=SMALL):
 
     from megatron_kcp.layers.kda import KDAConfig
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
-    args = train.parse_args(argv + ["--use-cpu-initialization", *shrink])
+    args = train.parse_args(argv + ["--use-cpu-initialization"] * cpu_init + list(shrink))
     config = core_transformer_config_from_args(args, KDAConfig)
     config.kda_gate_rank = args.kda_gate_rank
-    torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
     model_cfg = gpt_config_from_args(args, config=config)
-    return args, model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+
+    def build(startup_draws=0):
+        torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
+        if torch.cuda.is_available():       # Megatron's model-parallel stream, which some weights draw from
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(args.seed)
+            torch.rand(startup_draws, device="cuda")
+        return model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    return args, build
 
 
 def _build_and_run(preset, extra):
-    args, model = _small_model(preset, 1, extra)
+    args, build = _small_model(preset, 1, extra)
+    model = build()
     from megatron.training.training import get_train_valid_test_num_samples
     assert get_train_valid_test_num_samples()[0] == 10      # what pretrain() asks of the arguments first
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
@@ -103,7 +113,8 @@ def _training_step(preset, out):
     forward_step and loss_func, then backward; writes the mean token loss and every parameter's
     gradient of it (summed over the CP ranks, as Megatron's gradient reduction does) to ``out``."""
     from megatron.core import parallel_state as ps
-    args, model = _small_model(preset, ps.get_context_parallel_world_size(), ())
+    args, build = _small_model(preset, ps.get_context_parallel_world_size(), ())
+    model = build()
     train_ds, _, _ = train.datasets_provider([1, 0, 0])
     batch = torch.utils.data.default_collate([train_ds[0]])
     output, loss_fn = train.forward_step(iter([batch]), model)
@@ -136,7 +147,7 @@ def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
 
 
 def _builds_cp2hp_peer():
-    _, model = _small_model("tiny-gdn.json", 1, ("--spec", "megatron_kcp.spec", "cp2hp_gdn_hybrid_layer_spec"))
+    model = _small_model("tiny-gdn.json", 1, ("--spec", "megatron_kcp.spec", "cp2hp_gdn_hybrid_layer_spec"))[1]()
     assert type(model.decoder.layers[0].self_attention).__name__ == "GatedDeltaNet"
 
 

@@ -1,7 +1,9 @@
-"""The training entry on GPUs: one step of the tiny hybrid presets (full size, fp32) at CP=2 against
-CP=1 with the same weights: loss, every layer's output and every gradient, with fla's kernels and
-with the reference core on the GPU (skip without 2 GPUs). Megatron's own GPU paths (RoPE slicing,
-SDPA kernels, fused losses) run here and nowhere on the CPU."""
+"""The training entry on GPUs (skip without 2 GPUs): one step of the tiny hybrid presets (full size,
+fp32) at CP=2 against CP=1 with the same weights: loss, every layer's output and every gradient,
+with fla's kernels and with the reference core on the GPU. Megatron's own GPU paths (RoPE slicing,
+SDPA kernels, fused losses) run here and nowhere on the CPU. And the weights initialised on the
+GPU do not depend on how far Megatron's startup advanced the default CUDA generator (it draws
+[seq / CP, ...] numbers for its fusion warm-up): otherwise CP=1 and CP=2 runs start apart."""
 from __future__ import annotations
 
 import os
@@ -37,8 +39,8 @@ def _step(preset, core, out):
     if core == "reference":
         kcp._backend = lambda backend, x: "reference"
     group = ps.get_context_parallel_group()
-    args, model = _small_model(preset, ps.get_context_parallel_world_size(), (), shrink=())
-    model.cuda()
+    args, build = _small_model(preset, ps.get_context_parallel_world_size(), (), shrink=())
+    model = build().cuda()
     acts = {}
 
     def keep(name):
@@ -84,3 +86,15 @@ def test_training_step_cp2_equals_cp1_on_gpu(preset, core, tmp_path, monkeypatch
         with open(os.path.join(os.environ["KCP_EVIDENCE_DIR"], "train_step_gpu.txt"), "a") as f:
             f.write(line + "\n")
     assert loss < 1e-5 and max(acts.values()) < 1e-4 and worst[0][1] < 3e-3, line
+
+
+def _weights(preset):
+    _, build = _small_model(preset, 1, (), cpu_init=False)
+    a, b = ({n: p.detach().cpu() for n, p in build(draws).named_parameters()} for draws in (0, 4096 * 704))
+    moved = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not moved, f"initialised from the default CUDA generator: {moved}"
+
+
+@pytest.mark.parametrize("preset", ["tiny-gdn.json", "tiny-kda.json"])
+def test_weights_do_not_depend_on_the_startup_draws(preset):
+    spawn(_weights, 1, preset)

@@ -10,6 +10,7 @@ therefore not bounded by the head count.
 from __future__ import annotations
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -51,6 +52,15 @@ class KCPGatedDeltaNet(GatedDeltaNet):
                 raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {self.tp_size}: "
                                  "change the head count or --tensor-model-parallel-size (CP size needs no such match)")
         super()._setup_variant_attrs()
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if self.config.perform_initialization and self.conv_init is None:
+            # the parent leaves conv1d to nn.Conv1d's init, drawn from the default CUDA generator, which
+            # Megatron's startup (fusion warm-up on [seq / CP, ...] random tensors) advances by a CP-dependent
+            # amount: the same distribution, redrawn from the model-parallel stream, is the same at every CP size
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                self.conv1d.reset_parameters()
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, *, inference_params=None, **kwargs):

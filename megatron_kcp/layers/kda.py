@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -121,12 +122,16 @@ class KCPKimiDeltaAttention(MegatronModule):
 
     @torch.no_grad()
     def reset_kda_parameters(self):
-        """fla's initialisation: A ~ U(1, 16) in log space, dt ~ logU(1e-3, 1e-1) through inverse softplus."""
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        dt = (torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).exp().clamp(min=1e-4)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
-            torch.nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))
+        """fla's initialisation: A ~ U(1, 16) in log space, dt ~ logU(1e-3, 1e-1) through inverse softplus.
+        Drawn from Megatron's model-parallel stream, as its linears are: the default CUDA generator is
+        advanced at startup by a CP-dependent amount, and the weights must not depend on the CP size."""
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)
+            dt = dt.exp().clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+                torch.nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Megatron's default would save the tensors of plain torch modules (the short convs, the
