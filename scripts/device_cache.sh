@@ -5,7 +5,8 @@
 # torchrun's workers included, trims fla's autotuning (tests/fast_autotune.py) before fla imports.
 export TRITON_CACHE_DIR=/tmp/kcp-cache/triton TILELANG_CACHE_DIR=/tmp/kcp-cache/tilelang
 mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
-[ -f .tcache/tcache.tar.gz ] && tar --skip-old-files -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
+# scripts started side by side unpack once (the lock), not over each other
+[ -f .tcache/tcache.tar.gz ] && flock /tmp/kcp-cache.lock tar --skip-old-files -xzf .tcache/tcache.tar.gz -C /tmp/kcp-cache
 mkdir -p /tmp/kcp-site
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from tests.fast_autotune import enable\n    enable()\n' \
   > /tmp/kcp-site/sitecustomize.py
