@@ -3,8 +3,8 @@
 # hybrids trained with megatron_kcp.train on Megatron's mock data, global batch 2 x 4096 tokens.
 # Runs (bf16 unless named fp32):
 #   cp1        100 steps, CP=1 (DP=2)
-#   dp1        100 steps, CP=1 on one GPU (DP=1, two micro-batches): cp1's math in another summation
-#              order, the bf16 noise floor of the comparison
+#   dp1        100 steps, CP=1 on one GPU (DP=1, two micro-batches): cp1 with another gradient
+#              summation (on 2 x H200 it matched cp1 bit for bit)
 #   cp2        100 steps, CP=2, checkpoint at step 50
 #   resume     from cp2's step-50 checkpoint with TP=2, CP=1 to step 100 (RNG state not loaded: it is
 #              kept per TP rank, and with dropout off nothing draws from it)
@@ -82,7 +82,7 @@ killer=$!
 wait "${pids[@]}"
 kill $killer 2>/dev/null
 for m in gdn kda; do
-  bf16=() fp32=()
+  bf16=()
   for n in cp1 dp1 resume crash restart; do [ -f "$OUT/${m}_$n.jsonl" ] && bf16+=("$OUT/${m}_$n.jsonl"); done
   [ -f "$OUT/${m}_cp2.jsonl" ] && [ ${#bf16[@]} -gt 0 ] && python scripts/loss_parity.py "${bf16[@]}" \
     --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 > "$OUT/${m}_parity.txt" 2>&1
