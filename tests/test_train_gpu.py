@@ -13,23 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp import train
+from megatron_kcp.layers.attention import gather_zigzag
 from tests.distributed import rel_err, spawn
 from tests.test_train import _small_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-
-
-def _unzigzag(x, group):
-    """A CP rank's zigzag shard [s_local, ...] -> the whole sequence, on every rank."""
-    w = dist.get_world_size(group)
-    if w == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(w)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    chunks = [None] * (2 * w)
-    for r, p in enumerate(parts):
-        chunks[r], chunks[2 * w - 1 - r] = p.chunk(2, 0)
-    return torch.cat(chunks, 0)
 
 
 def _step(preset, core, out):
@@ -57,8 +45,9 @@ def _step(preset, core, out):
     (loss / args.seq_length).backward()
     total = torch.stack([loss.detach(), num_tokens.float()])
     dist.all_reduce(total, group=group)
+    w = dist.get_world_size(group)
     result = {"loss": (total[0] / total[1]).item(),
-              "acts": {n: _unzigzag(a, group).cpu() for n, a in acts.items()}, "grads": {}}
+              "acts": {n: gather_zigzag(a, group, w).cpu() for n, a in acts.items()}, "grads": {}}
     for n, p in model.named_parameters():
         dist.all_reduce(p.grad, group=group)
         result["grads"][n] = p.grad.cpu()

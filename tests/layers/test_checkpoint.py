@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_kcp.layers.attention import gather_zigzag
 from tests.distributed import rel_err, spawn
 from tests.layers.harness import CPU, build, config, zigzag_rows
 
@@ -13,12 +14,7 @@ def _full_output(mod, cp, cp_rank, group):
     x = torch.randn(CPU.seq, CPU.batch, CPU.hidden, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         y, _ = mod(zigzag_rows(x, cp, cp_rank))
-    ys = [torch.empty_like(y) for _ in range(cp)]
-    dist.all_gather(ys, y.contiguous(), group=group)
-    chunks = [None] * (2 * cp)
-    for r, yr in enumerate(ys):
-        chunks[r], chunks[2 * cp - 1 - r] = yr.chunk(2, 0)
-    return torch.cat(chunks, 0)
+        return gather_zigzag(y, group, cp)
 
 
 def _save_or_load(kind, ckpt_dir, out_file, tp, save):
