@@ -129,3 +129,6 @@ default_spec = gdn_hybrid_layer_spec
 # the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
 # benchmarks and long-context runs compare against
 cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
+
+# every spec above, by name: what megatron_kcp.train accepts after --spec megatron_kcp.spec
+SPEC_NAMES = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))

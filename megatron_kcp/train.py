@@ -21,10 +21,7 @@ from functools import partial
 import torch
 
 from megatron_kcp.launch import check_split
-from megatron_kcp.spec import te_available
-
-KCP_SPECS = ("gdn_hybrid_layer_spec", "kda_hybrid_layer_spec", "default_spec",
-             "cp2hp_gdn_hybrid_layer_spec")     # the last: megatron-core's GatedDeltaNet, for comparisons
+from megatron_kcp.spec import SPEC_NAMES, te_available
 
 
 def add_kcp_args(parser):
@@ -49,9 +46,9 @@ def normalize_spec(spec):
 def validate_kcp_args(args):
     """Checks Megatron's own validation does not make; raises ValueError naming the fix."""
     spec = args.spec
-    if spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or spec[-1] not in KCP_SPECS:
+    if spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or spec[-1] not in SPEC_NAMES:
         raise ValueError(f"--spec {' '.join(spec)}: megatron_kcp.train builds the KCP hybrids only; use "
-                         f"--spec megatron_kcp.spec {{{','.join(KCP_SPECS[:2])}}} (or pretrain_gpt.py for others)")
+                         f"--spec megatron_kcp.spec {{{','.join(SPEC_NAMES)}}} (or pretrain_gpt.py for others)")
     if getattr(args, "experimental_attention_variant", None):
         raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
                          "drop it, the KCP spec provides the linear mixers")
