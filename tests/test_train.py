@@ -108,27 +108,32 @@ def test_entry_builds_the_hybrid_gpt(preset, extra):
     spawn(_build_and_run, 1, preset, extra)
 
 
-def _training_step(preset, out):
-    """The entry's own data path: mock dataset, get_batch (TP broadcast, CP zigzag split),
-    forward_step and loss_func, then backward; writes the mean token loss and every parameter's
-    gradient of it (summed over the CP ranks, as Megatron's gradient reduction does) to ``out``."""
+def entry_step(model, seq_length):
+    """The entry's own data path on ``model``: mock dataset, get_batch (TP broadcast, CP zigzag split),
+    forward_step and loss_func, then backward of the mean token loss. Returns that loss and every
+    parameter's gradient of it, summed over the CP ranks as Megatron's gradient reduction does."""
     from megatron.core import parallel_state as ps
-    args, build = _small_model(preset, ps.get_context_parallel_world_size(), ())
-    model = build()
     train_ds, _, _ = train.datasets_provider([1, 0, 0])
     batch = torch.utils.data.default_collate([train_ds[0]])
     output, loss_fn = train.forward_step(iter([batch]), model)
     loss, num_tokens, _ = loss_fn(output)
-    (loss / 64).backward()
+    (loss / seq_length).backward()
     total = torch.stack([loss.detach(), num_tokens.float()])
     group = ps.get_context_parallel_group()
     torch.distributed.all_reduce(total, group=group)
-    assert total[1] == 64, total        # every token counted once over the CP ranks
+    assert total[1] == seq_length, total        # every token counted once over the CP ranks
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     for g in grads.values():
         torch.distributed.all_reduce(g, group=group)
+    return {"loss": (total[0] / total[1]).item(), "grads": {n: g.cpu() for n, g in grads.items()}}
+
+
+def _training_step(preset, out):
+    from megatron.core import parallel_state as ps
+    args, build = _small_model(preset, ps.get_context_parallel_world_size(), ())
+    result = entry_step(build(), args.seq_length)
     if torch.distributed.get_rank() == 0:
-        torch.save({"loss": total[0] / total[1], "grads": grads}, out)
+        torch.save(result, out)
 
 
 @pytest.mark.parametrize("preset", ["tiny-gdn.json", "tiny-kda.json"])

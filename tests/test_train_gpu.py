@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp import train
 from megatron_kcp.layers.attention import gather_zigzag
 from tests.distributed import rel_err, spawn
-from tests.test_train import _small_model
+from tests.test_train import _small_model, entry_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -38,19 +37,9 @@ def _step(preset, core, out):
     for i, layer in enumerate(model.decoder.layers):
         for part in ("self_attention", "mlp"):
             getattr(layer, part).register_forward_hook(keep(f"layer{i}.{part}"))
-    train_ds, _, _ = train.datasets_provider([1, 0, 0])
-    batch = torch.utils.data.default_collate([train_ds[0]])
-    output, loss_fn = train.forward_step(iter([batch]), model)
-    loss, num_tokens, _ = loss_fn(output)
-    (loss / args.seq_length).backward()
-    total = torch.stack([loss.detach(), num_tokens.float()])
-    dist.all_reduce(total, group=group)
+    result = entry_step(model, args.seq_length)
     w = dist.get_world_size(group)
-    result = {"loss": (total[0] / total[1]).item(),
-              "acts": {n: gather_zigzag(a, group, w).cpu() for n, a in acts.items()}, "grads": {}}
-    for n, p in model.named_parameters():
-        dist.all_reduce(p.grad, group=group)
-        result["grads"][n] = p.grad.cpu()
+    result["acts"] = {n: gather_zigzag(a, group, w).cpu() for n, a in acts.items()}
     if dist.get_rank() == 0:
         torch.save(result, out)
 
