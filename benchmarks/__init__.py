@@ -8,5 +8,6 @@ ops.py         op level: noCP, cp2hp, kcp, fla-cp on one (model, tokens, documen
 cp2hp.py       megatron-core GatedDeltaNet's CP scheme on the op (all-to-all to head shards)
 layers.py      layer level: the mixers at CP=1 and CP=W with the same weights
 memory.py      --memory-only: peak memory per rank of KCP fwd+bwd, beside one GPU
+kernel_profile.py  --what profile: torch.profiler's kernel table of noCP and kcp, where the time goes
 exchange_model.py, plot.py   standalone scripts on the CSVs
 """

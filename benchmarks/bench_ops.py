@@ -40,13 +40,16 @@ Rows are printed and appended to --csv as they finish, and --budget skips the ca
 is spent, so a stopped stage still reports. ``--smoke`` runs tiny sizes on the CPU over gloo
 (reference kernels, no fla-cp): a check that the script works, not a measurement.
 
+``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
+beside kcp (zigzag), per model at the first --tokens, --docs and --heads.
+
 ``--memory-only`` (memory.py) times nothing: per model and layout it prints the peak memory per rank
 of KCP fwd+bwd at each CP size, beside one GPU (one case: --tokens, --heads, --docs (default single),
 --head-dim, --dtype, --models, --layouts, --warmup). It runs with fewer GPUs than ranks (gloo, ranks
 sharing GPUs) and with the tests' cheap autotuning, neither of which changes what is allocated.
 
 The code: common.py (problems, ranks), timing.py (Bench), table.py (rows, CSV), ops.py and cp2hp.py
-(op level), layers.py (layer level), memory.py; this file holds the command line.
+(op level), layers.py (layer level), memory.py, kernel_profile.py; this file holds the command line.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ from benchmarks.common import init_rank, spawn  # noqa: E402
 from benchmarks.layers import run_layers  # noqa: E402
 from benchmarks.memory import NEEDS_GPU, report  # noqa: E402
 from benchmarks.ops import run_ops  # noqa: E402
+from benchmarks.kernel_profile import run_profile  # noqa: E402
 from benchmarks.table import COLUMNS, Table, describe  # noqa: E402
 from benchmarks.timing import Bench  # noqa: E402
 
@@ -81,7 +85,9 @@ def worker(rank, W, port, args):
             run_ops(b, table)
         if "layers" in args.what:
             run_layers(b, table)
-        if rank == 0:
+        if "profile" in args.what:
+            run_profile(b)
+        if rank == 0 and {"ops", "layers"} & set(args.what):
             table.print_all(describe(args, W))
     finally:
         dist.destroy_process_group()
@@ -90,7 +96,7 @@ def worker(rank, W, port, args):
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--what", nargs="+", choices=["ops", "layers"], default=["ops"])
+    p.add_argument("--what", nargs="+", choices=["ops", "layers", "profile"], default=["ops"])
     p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes W (default: the number of GPUs)")
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
     p.add_argument("--heads", type=int, nargs="+", default=[16])

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The CP benchmarks in one device call, run from the repo root:
 #   source .devbundle/setup.sh && bash scripts/device_bench.sh
-# Stages, in order of importance, each with a soft budget (bench_ops.py --budget: cases left are
-# skipped, the table still prints) and a hard limit (timeout): op level at H=16 over the token
-# counts, layer level, op level at H=64; then the exchange model beside the measured exchange.
+# Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order), each with a soft
+# budget (bench_ops.py --budget: cases left are skipped, the table still prints; a share of the
+# time left) and a hard limit (timeout): large = op level at KCP_BENCH_LARGE_HEADS heads and the
+# first token count; profile = torch.profiler's kernel table of noCP and kcp there; ops = op level
+# at KCP_BENCH_HEADS over the token counts; layers = layer level. Then the exchange model beside
+# the measured exchange.
 # Env: KCP_BENCH_W (CP size, default every GPU), KCP_BENCH_BUDGET (seconds for all stages, default
 # 480: fits a 10-minute call with the bundle's unpacking), KCP_BENCH_TOKENS (op level, default
 # "32768 131072 262144"), KCP_BENCH_HEADS (16), KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS
-# (64; empty skips that stage), KCP_BENCH_EXTRA (more bench_ops.py args; "--smoke" with
-# KCP_BENCH_W=2 walks the whole script on a CPU machine).
+# (64; empty skips that stage), KCP_BENCH_EXTRA (more bench_ops.py args). The whole script on a CPU
+# machine, in about a minute (the sizes are given, so --smoke keeps them: give tiny ones):
+#   OUT=/tmp/b KCP_BENCH_W=2 KCP_BENCH_EXTRA=--smoke KCP_BENCH_TOKENS=128 KCP_BENCH_HEADS=2 \
+#   KCP_BENCH_LAYER_TOKENS=128 KCP_BENCH_LARGE_HEADS=4 bash scripts/device_bench.sh
 # Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); every shape is tuned in untimed
 # warm-up calls. The tuning results (small JSON files) and tilelang's kernels are packed into
 # $OUT/tcache.tar.gz: carried back as .tcache/tcache.tar.gz, the next call loads them instead of
@@ -48,14 +53,24 @@ stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
   echo "$name: exit $? after $((SECONDS - t0)) s (soft ${soft}s, hard ${hard}s)" | tee -a "$logs/summary.txt"
 }
 # shellcheck disable=SC2086  # word splitting of $tokens is intended
-stage ops $((budget * 45 / 100)) $((budget * 60 / 100)) --what ops --tokens $tokens --heads "$heads" \
-  --csv "$OUT/ops.csv"
-stage layers $(($(left) - 110)) $(($(left) - 70)) --what layers --tokens "$layer_tokens" --heads "$heads" \
-  --csv "$OUT/layers.csv"
-if [ -n "$large_heads" ]; then
-  stage ops_h"$large_heads" $(($(left) - 50)) $(($(left) - 15)) --what ops --tokens 32768 --heads "$large_heads" \
-    --csv "$OUT/ops_h$large_heads.csv"
-fi
+run_stage() {  # name, stages after it: a share of what is left, 45 s kept for each stage after it
+  local avail=$(($(left) - 45 * $2 - 15)) soft
+  soft=$((2 * avail / ($2 + 1))); [ "$soft" -gt $((avail - 40)) ] && soft=$((avail - 40))
+  case $1 in
+    large) stage ops_h"$large_heads" "$soft" "$avail" --what ops --tokens "${tokens%% *}" --heads "$large_heads" \
+             --csv "$OUT/ops_h$large_heads.csv" ;;
+    profile) stage profile "$soft" "$avail" --what profile --tokens "${tokens%% *}" --docs single \
+               --heads "${large_heads:-$heads}" ;;
+    ops) stage ops "$soft" "$avail" --what ops --tokens $tokens --heads "$heads" --csv "$OUT/ops.csv" ;;
+    layers) stage layers "$soft" "$avail" --what layers --tokens "$layer_tokens" --heads "$heads" \
+              --csv "$OUT/layers.csv" ;;
+    *) echo "KCP_BENCH_STAGES: unknown stage $1 (large, profile, ops, layers)"; exit 2 ;;
+  esac
+}
+read -r -a stages <<<"${KCP_BENCH_STAGES:-large profile ops layers}"
+[ -z "$large_heads" ] && stages=("${stages[@]/large}")
+read -r -a stages <<<"${stages[*]}"
+for i in "${!stages[@]}"; do run_stage "${stages[$i]}" $((${#stages[@]} - i - 1)); done
 {
   python benchmarks/exchange_model.py
   echo
@@ -68,7 +83,7 @@ save_cache
 (cd "$OUT" && tar -czf logs.tar.gz logs && rm -rf logs)
 
 tar -xzf "$OUT/logs.tar.gz" -O logs/versions.txt logs/summary.txt
-for name in ops layers ops_h"$large_heads"; do
+for name in ops_h"$large_heads" ops layers; do
   log=$(tar -xzf "$OUT/logs.tar.gz" -O "logs/$name.log" 2>/dev/null) || continue
   echo; echo "== $name"
   # the final table when the stage finished, else the rows it printed before it was stopped
@@ -76,5 +91,8 @@ for name in ops layers ops_h"$large_heads"; do
   else grep -E "^(model|GDN|KDA|\[rank)" <<<"$log"; echo "(stopped early; its last lines:)"; tail -5 <<<"$log"; fi
   grep -E "^(wrote|no PNG)" <<<"$log"
 done
+if log=$(tar -xzf "$OUT/logs.tar.gz" -O logs/profile.log 2>/dev/null); then
+  echo; echo "== profile"; grep -v TileLang <<<"$log" | grep -E -v "^(USDT|\[rank|\[W)"
+fi
 echo; tar -xzf "$OUT/logs.tar.gz" -O logs/exchange_model.txt
 ls -la "$OUT"

@@ -78,10 +78,19 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         q, k = (x.reshape(1, b * s, -1, self.key_head_dim) for x in (q, k))
         v = v.reshape(1, b * s, -1, self.value_head_dim)
-        # the parent's decay and gated norm, written out: its fused versions need Triton / a compiler
-        g = -self.A_log.float().exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias.float())
+        # on GPUs the parent's torch.compile fusions of the decay and the gated norm (one kernel each, not
+        # ~8 eager ones over [T, H, 128] fp32); on the CPU the same math eagerly (inductor needs a compiler)
+        fused = qkvzba.is_cuda
+        if fused:
+            g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+        else:
+            g = -self.A_log.float().exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias.float())
+            beta = beta.sigmoid()
         # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
-        o = kcp.gated_delta_rule(q, k, v, g, beta.sigmoid(), plan, self.kcp_group, use_qk_l2norm=self.use_qk_l2norm)
-        o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
+        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group, use_qk_l2norm=self.use_qk_l2norm)
+        if fused:
+            o = self._apply_gated_norm(o, gate)
+        else:
+            o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
         o = o.to(qkv.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
         return self.out_proj(o)

@@ -1,0 +1,60 @@
+"""Where the time goes (``--what profile``): torch.profiler's kernel table of one fwd+bwd, noCP
+(the whole problem on one GPU) beside kcp on Megatron's zigzag layout, rank 0, per (model, T, H),
+after the same untimed warm-up as the timings. The sums per kernel say which part of the CP
+algorithm (state pass, transition pass, exchange, fold) costs what the single GPU does not pay."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem
+from benchmarks.ops import chunk_kernel, op_steps
+from benchmarks.timing import Bench
+
+ROWS = 14                                          # kernels per table: the tail is launches of microseconds
+ITERS = 5
+
+
+def profile_case(b: Bench, model, T, docs, H):
+    from megatron_kcp.ops import kcp
+    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    args, W, rank, dev = b.args, b.W, b.rank, b.device
+    cu = cu_seqlens(docs, T)
+    cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
+    xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=0)
+    kernel = chunk_kernel(model, dev)
+    plan = build_plan(cu, "zigzag", W, rank, CONV)
+    idx = local_token_index(plan).to(dev)
+    backend = "fla" if b.cuda else "reference"
+    cases = (("noCP", lambda *x: kernel(*x, cu_dev, cu_cpu), None),
+             (f"kcp zigzag W={W}", lambda *x: kcp.gated_delta_rule(*x, plan, dist.group.WORLD, use_qk_l2norm=True,
+                                                                  backend=backend), idx))
+    for name, fn, idx in cases:
+        pick = (lambda t: t) if idx is None else (lambda t: t[:, idx])
+        step = op_steps(fn, fresh_leaves(pick(x) for x in xs), pick(do).contiguous())("fwd+bwd")
+        for _ in range(args.warmup):
+            step()
+        b.sync()
+        dist.barrier()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(ITERS):
+                step()
+            b.sync()
+        if rank == 0:
+            print(f"\n== {model} fwd+bwd T={T} {docs} H={H}: {name}, {ITERS} iterations, rank 0", flush=True)
+            sort = "self_device_time_total" if b.cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=ROWS, max_name_column_width=60), flush=True)
+        step = None
+        if b.cuda:
+            torch.cuda.empty_cache()
+
+
+def run_profile(b: Bench):
+    """One table pair per (model, first --tokens, first --docs, first --heads)."""
+    args = b.args
+    for model in args.models:
+        if b.out_of_time():
+            return
+        profile_case(b, model, args.tokens[0], args.docs[0], args.heads[0])
