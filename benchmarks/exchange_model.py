@@ -2,6 +2,7 @@
 
     python benchmarks/exchange_model.py                      # the table (per layer, fwd+bwd)
     python benchmarks/exchange_model.py --check ops.csv      # beside bench_ops.py's measurements
+    python benchmarks/exchange_model.py --check ops.csv --fit   # NVLink fitted to them, then the table
 
 Per layer and direction (forward [H | M], backward [dH | M^T]), every rank all-gathers one fp32
 map per continuing piece ("slot": 2 in Megatron's zigzag layout, 1 in contiguous):
@@ -134,13 +135,36 @@ def _f(x):
         return math.nan
 
 
-def check(path: str, nvlink: Link):
+def measured_rows(paths: list[str]) -> list[dict]:
+    """bench_ops.py's op-level CP rows that carry a measured exchange."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += [r for r in csv.DictReader(f) if r["level"] == "ops" and r["method"] in ("kcp", "fla-cp", "cp2hp")
+                     and math.isfinite(_f(r.get("exchange_ms")))]
+    return rows
+
+
+def fit_link(rows: list[dict]) -> Link:
+    """Least-squares alpha and bw of ``ms = calls * (W - 1) * alpha + bytes / bw`` over the rows."""
+    xs = [(int(_f(r["xchg_calls"])) * (int(r["W"]) - 1), _f(r["xchg_bytes"])) for r in rows]
+    ys = [_f(r["exchange_ms"]) * 1e-3 for r in rows]
+    a11, a12, a22 = (sum(x[i] * x[j] for x in xs) for i, j in ((0, 0), (0, 1), (1, 1)))
+    b1, b2 = sum(x[0] * y for x, y in zip(xs, ys)), sum(x[1] * y for x, y in zip(xs, ys))
+    det = a11 * a22 - a12 * a12
+    if len(rows) < 2 or det <= 0:
+        raise SystemExit("--fit needs measured rows of at least two sizes")
+    alpha, inv_bw = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    if alpha <= 0 or inv_bw <= 0:
+        raise SystemExit(f"--fit: no physical fit (alpha {alpha * 1e6:.1f} us, 1/bw {inv_bw:.3g} s/B): more sizes needed")
+    return Link("NVLink", alpha, 1 / inv_bw)
+
+
+def check(paths: list[str], nvlink: Link):
     """Model beside bench_ops.py's measured exchange (the collectives of one pass, replayed alone):
     bytes from the formulas, time = calls * (W - 1) * alpha + measured bytes / bw."""
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["level"] == "ops" and r["method"] in ("kcp", "fla-cp", "cp2hp")
-                and math.isfinite(_f(r.get("exchange_ms")))]
-    print(f"model vs measured exchange, {path}: NVLink alpha={nvlink.alpha * 1e6:.0f} us, "
+    rows = measured_rows(paths)
+    print(f"model vs measured exchange, {' '.join(paths)}: {nvlink.name} alpha={nvlink.alpha * 1e6:.0f} us, "
           f"bw={nvlink.bw / 1e9:.0f} GB/s (bytes received per rank per layer, one pass)")
     print(f"{'model':5} {'pass':7} {'T':>7} {'docs':6} {'H':>3} {'W':>2} {'method':7} {'layout':10} {'calls':>5} "
           f"{'MiB meas':>9} {'MiB model':>9} {'ms meas':>8} {'ms model':>8} {'meas/model':>10}")
@@ -181,13 +205,23 @@ def main(argv=None):
     p.add_argument("--net-bw-gbs", type=float, default=40.0, help="inter-node GB/s per GPU (400 Gb/s NIC, effective)")
     p.add_argument("--fold-tflops", type=float, default=d.flops / 1e12)
     p.add_argument("--hbm-tbs", type=float, default=d.hbm / 1e12)
-    p.add_argument("--check", metavar="CSV", help="bench_ops.py CSV: model beside the measured exchange")
+    p.add_argument("--check", metavar="CSV", nargs="+", help="bench_ops.py CSVs: model beside the measured exchange")
+    p.add_argument("--fit", action="store_true",
+                   help="with --check: NVLink alpha and bw fitted to the measured rows (least squares), then the table")
     a = p.parse_args(argv)
     nvlink = Link("NVLink", a.alpha_us * 1e-6, a.bw_gbs * 1e9)
     network = Link("network", a.net_alpha_us * 1e-6, a.net_bw_gbs * 1e9)
+    if a.fit:
+        if not a.check:
+            p.error("--fit fits the link to measured rows: give them with --check CSV")
+        nvlink = fit_link(measured_rows(a.check))
+        print(f"NVLink fitted to the {len(measured_rows(a.check))} measured rows: alpha={nvlink.alpha * 1e6:.0f} us, "
+              f"bw={nvlink.bw / 1e9:.0f} GB/s")
     if a.check:
         check(a.check, nvlink)
-        return
+        if not a.fit:
+            return
+        print()
     s = Setup(heads=a.heads, head_dim=a.head_dim, tokens=a.tokens, model=a.model, slots=a.slots, conv=a.conv,
               flops=a.fold_tflops * 1e12, hbm=a.hbm_tbs * 1e12)
     print_table(s, nvlink, network, a.gpus_per_node)

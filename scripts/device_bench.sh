@@ -76,6 +76,8 @@ for i in "${!stages[@]}"; do run_stage "${stages[$i]}" $((${#stages[@]} - i - 1)
   echo
   python benchmarks/exchange_model.py --model kda
   for f in "$OUT"/ops*.csv; do [ -f "$f" ] && { echo; python benchmarks/exchange_model.py --check "$f"; }; done
+  # the link fitted to this run's measured collectives, and the table for W up to 1024 with it
+  compgen -G "$OUT/ops*.csv" >/dev/null && { echo; python benchmarks/exchange_model.py --check "$OUT"/ops*.csv --fit; }
 } > "$logs/exchange_model.txt" 2>&1
 
 save_cache

@@ -1,6 +1,7 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
-the reason, the table), the exchange model (monotone in W, one case by hand, --check) and plot.py."""
+the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
+--fit) and plot.py."""
 from __future__ import annotations
 
 import csv
@@ -107,6 +108,35 @@ def test_exchange_model_check_reads_the_benchmark_csv(smoke, capsys):
     assert len(rows) == 2 * 2 * 3                        # GDN, KDA x fwd, fwd+bwd x cp2hp, kcp x 2 layouts
     for r in rows:
         assert r[9] == r[10], r                          # measured bytes = the model's formula
+
+
+def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
+    """--fit on rows timed by a known link (alpha 50 us, 300 GB/s) gives that link back."""
+    path = tmp_path / "ops.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        for calls, mib in ((1, 2), (2, 8), (2, 257.5), (4, 1030)):
+            ms = (calls * 50e-6 + mib * 2**20 / 300e9) * 1e3
+            w.writerow(dict(level="ops", model="GDN", method="kcp", layout="zigzag", W=2, heads=16, tokens=32768,
+                            docs="single", head_dim=128, dtype="bfloat16", xchg_calls=calls, xchg_bytes=mib * 2**20,
+                            exchange_ms=ms, **{"pass": "fwd"}))
+    link = xm.fit_link(xm.measured_rows([str(path)]))
+    assert link.alpha == pytest.approx(50e-6) and link.bw == pytest.approx(300e9)
+    xm.main(["--check", str(path), "--fit"])
+    out = capsys.readouterr().out
+    assert "alpha=50 us, bw=300 GB/s" in out and "KCP exchange vs cp2hp" in out
+    assert all(float(ln.split()[-1]) == pytest.approx(1.0) for ln in out.splitlines() if " kcp " in ln)
+
+
+def test_profile_prints_the_kernel_tables():
+    run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "profile", "--models", "GDN",
+                          "--docs", "single", "--warmup", "1"], capture_output=True, text=True, timeout=300,
+                         cwd=BENCH.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    heads = re.findall(r"^== GDN fwd\+bwd T=128 single H=2: (.*), 5 iterations", run.stdout, re.M)
+    assert heads == ["noCP", "kcp zigzag W=2"], run.stdout[-2000:]
+    assert run.stdout.count("Self CPU time total") == 2 and "all rows:" not in run.stdout
 
 
 def _gpu_checks_memory_args() -> list[str]:

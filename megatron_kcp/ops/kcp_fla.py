@@ -5,8 +5,7 @@ fla's CP context expresses two of Megatron's layouts directly: ``contiguous`` an
 (each document cut in 2W chunks) is, document by document, exactly fla's ``zigzag`` of a
 one-sequence stream, so it runs as one fla CP call per document on that document's two local
 pieces: no tokens move between ranks and fla's kernels and exchange do all the work. The price
-is one launch set and one small all-gather per document; at a handful of documents per batch
-that is small next to the kernels themselves (see BENCHMARKS.md for the measured overhead).
+is one launch set and one small all-gather per document, not yet measured (BENCHMARKS.md, Open).
 """
 from __future__ import annotations
 
