@@ -41,7 +41,7 @@ is spent, so a stopped stage still reports. ``--smoke`` runs tiny sizes on the C
 (reference kernels, no fla-cp): a check that the script works, not a measurement.
 
 ``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
-beside kcp (zigzag), per model at the first --tokens, --docs and --heads.
+beside kcp (zigzag, every rank), per model at the first --tokens, --docs and --heads.
 
 ``--memory-only`` (memory.py) times nothing: per model and layout it prints the peak memory per rank
 of KCP fwd+bwd at each CP size, beside one GPU (one case: --tokens, --heads, --docs (default single),

@@ -156,7 +156,8 @@ def fit_link(rows: list[dict]) -> Link:
         raise SystemExit("--fit needs measured rows of at least two sizes")
     alpha, inv_bw = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
     if alpha <= 0 or inv_bw <= 0:
-        raise SystemExit(f"--fit: no physical fit (alpha {alpha * 1e6:.1f} us, 1/bw {inv_bw:.3g} s/B): more sizes needed")
+        raise SystemExit(f"--fit: no physical fit (alpha {alpha * 1e6:.1f} us, 1/bw {inv_bw:.3g} s/B): "
+                         "measure more sizes")
     return Link("NVLink", alpha, 1 / inv_bw)
 
 
@@ -214,8 +215,9 @@ def main(argv=None):
     if a.fit:
         if not a.check:
             p.error("--fit fits the link to measured rows: give them with --check CSV")
-        nvlink = fit_link(measured_rows(a.check))
-        print(f"NVLink fitted to the {len(measured_rows(a.check))} measured rows: alpha={nvlink.alpha * 1e6:.0f} us, "
+        rows = measured_rows(a.check)
+        nvlink = fit_link(rows)
+        print(f"NVLink fitted to the {len(rows)} measured rows: alpha={nvlink.alpha * 1e6:.0f} us, "
               f"bw={nvlink.bw / 1e9:.0f} GB/s")
     if a.check:
         check(a.check, nvlink)

@@ -1,7 +1,7 @@
 """Where the time goes (``--what profile``): torch.profiler's kernel table of one fwd+bwd, noCP
-(the whole problem on one GPU) beside kcp on Megatron's zigzag layout, rank 0, per (model, T, H),
-after the same untimed warm-up as the timings. The sums per kernel say which part of the CP
-algorithm (state pass, transition pass, exchange, fold) costs what the single GPU does not pay."""
+(the whole problem on one GPU, rank 0) beside kcp on Megatron's zigzag layout (every rank), per
+(model, T, H), after the same untimed warm-up as the timings. The sums per kernel say which part of
+the CP algorithm (state pass, transition pass, exchange, fold) costs what the single GPU does not pay."""
 from __future__ import annotations
 
 import torch
@@ -42,10 +42,13 @@ def profile_case(b: Bench, model, T, docs, H):
             for _ in range(ITERS):
                 step()
             b.sync()
-        if rank == 0:
-            print(f"\n== {model} fwd+bwd T={T} {docs} H={H}: {name}, {ITERS} iterations, rank 0", flush=True)
-            sort = "self_device_time_total" if b.cuda else "self_cpu_time_total"
-            print(prof.key_averages().table(sort_by=sort, row_limit=ROWS, max_name_column_width=60), flush=True)
+        # every rank's table for kcp (a rank waiting in the exchange shows which one is late), one for noCP
+        for r in range(W if idx is not None else 1):
+            if rank == r:
+                print(f"\n== {model} fwd+bwd T={T} {docs} H={H}: {name}, {ITERS} iterations, rank {r}", flush=True)
+                sort = "self_device_time_total" if b.cuda else "self_cpu_time_total"
+                print(prof.key_averages().table(sort_by=sort, row_limit=ROWS, max_name_column_width=60), flush=True)
+            dist.barrier()
         step = None
         if b.cuda:
             torch.cuda.empty_cache()

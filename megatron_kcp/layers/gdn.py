@@ -91,6 +91,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         if fused:
             o = self._apply_gated_norm(o, gate)
         else:
-            o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
+            gate = gate.reshape(-1, self.value_head_dim).float()
+            o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate)
         o = o.to(qkv.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
         return self.out_proj(o)
