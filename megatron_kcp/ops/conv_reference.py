@@ -3,17 +3,16 @@
 Each piece's first tokens need the ``kernel_size - 1`` tokens before it in the same sequence,
 which live at the tail of earlier pieces (of one or several ranks when pieces are short).
 Ranks all-gather the tails of their pieces; backward sums every rank's halo gradient back onto
-the tails' owners with one all-reduce. Tokens never cross a sequence boundary.
+the tails' owners with one reduce-scatter. Tokens never cross a sequence boundary.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_kcp.parallel.exchange import all_gather
+from megatron_kcp.parallel.comm import all_gather, reduce_scatter
 from megatron_kcp.parallel.plan import KCPPlan
 
 
@@ -80,9 +79,7 @@ class HaloExchange(torch.autograd.Function):
         plan = ctx.plan
         W, P, hl = plan.world_size, plan.num_pieces, plan.halo_len
         dall = dhalo.new_zeros(W * P * hl + 1, dhalo.shape[1]).index_add_(0, src, dhalo)[:-1]
-        if W > 1:
-            dist.all_reduce(dall, group=ctx.group)
-        dtails = dall.view(W, P * hl, -1)[plan.rank]
+        dtails = reduce_scatter(dall.view(W, P * hl, -1), ctx.group) if W > 1 else dall
         tails_idx, _ = _indices(plan)
         dx = dhalo.new_zeros(ctx.T + 1, dhalo.shape[1]).index_add_(0, tails_idx.to(dhalo.device), dtails)
         return dx[:-1], None, None

@@ -1,15 +1,21 @@
 """The KCP ops the mixers call: gated delta rule (GDN/KDA) and short conv over CP shards.
 
-``backend="auto"`` runs fla's Triton kernels on CUDA and the pure-PyTorch reference elsewhere;
-``"reference"`` or ``"fla"`` force one (tests compare them).
+One CP step for every layout and any number of documents: a *core* computes on ranges of the
+local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"reference"``: the
+pure-PyTorch oracle, ``core_reference``; ``"auto"``: fla on CUDA, the reference elsewhere) and an
+exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
+along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
+cost model's pick, ``megatron_kcp.parallel.strategy``).
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_kcp.ops import conv_reference
-from megatron_kcp.ops.kcp_reference import KCPReference
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan
+from megatron_kcp.parallel.gather import AllGather
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron
+from megatron_kcp.parallel.relay import Relay
+from megatron_kcp.parallel.strategy import STRATEGIES, choose
 
 BACKENDS = ("auto", "reference", "fla")
 
@@ -46,19 +52,77 @@ def check_inputs(q, k, v, g, beta, plan: KCPPlan, initial_state=None):
                          f"got {tuple(initial_state.shape)}")
 
 
+class KCPFunction(torch.autograd.Function):
+    """One rank's KCP step: ``o`` of its shard, equal to the single-device run, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, init, plan: KCPPlan, group, scale, l2, core, strategy):
+        P = core.prepare(q, k, v, g, beta, plan, scale, l2)
+        h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+        starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
+        if init is not None:
+            h0[starts] = init.float()[[plan.seg_seq[i] for i in starts]]
+        M = None
+        if isinstance(strategy, AllGather):
+            o, M = strategy.forward(core, P, plan, group, h0)
+        else:
+            o = strategy.forward(core, P, plan, group, h0)
+        # keep the initial states that are not zero: received ones, and the user's
+        kept = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
+        ctx.save_for_backward(*P.tensors(), h0[kept], M)
+        ctx.kept, ctx.starts, ctx.has_init = kept, starts, init is not None
+        ctx.dtypes = [x.dtype for x in (q, k, v, g, beta)]
+        ctx.plan, ctx.group, ctx.scale, ctx.l2, ctx.core, ctx.strategy = plan, group, scale, l2, core, strategy
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        *saved, h0_kept, M = ctx.saved_tensors
+        plan, core = ctx.plan, ctx.core
+        P = core.restore(saved, plan, ctx.scale, ctx.l2)
+        h0 = h0_kept.new_zeros(plan.num_segments, *h0_kept.shape[1:])
+        h0[ctx.kept] = h0_kept
+        do = do.contiguous()
+        if isinstance(ctx.strategy, AllGather):
+            grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do, M)
+        else:
+            grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do)
+        dq, dk, dv, dg, db = (d.to(t) for d, t in zip(core.finish(P, grads), ctx.dtypes))
+        dinit = None
+        if ctx.has_init:
+            # the user's state enters a sequence only where it starts; elsewhere dh0 flowed to earlier ranks
+            dinit = dh0.new_zeros(plan.num_seqs, *dh0.shape[1:])
+            dinit.index_add_(0, torch.tensor([plan.seg_seq[i] for i in ctx.starts], dtype=torch.long, device=dh0.device),
+                             dh0[ctx.starts])
+        return dq, dk, dv, dg, db, dinit, None, None, None, None, None, None
+
+
+def _core(backend: str, g: torch.Tensor):
+    if backend == "fla":
+        from megatron_kcp.ops import core_fla
+        return core_fla.core(kda=g.dim() == 4, device=g.device)
+    from megatron_kcp.ops.core_reference import ReferenceCore
+    return ReferenceCore()
+
+
 def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = False,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", strategy: str = "auto") -> torch.Tensor:
     """o ``[1, T, HV, V]`` of this rank's shard; equals the single-device run, forward and backward.
 
     ``initial_state`` ``[N, HV, K, V]`` holds one state per global sequence (the same on every
     rank); its gradient on each rank is that rank's share (sum over the CP group for the total).
+    ``group`` defaults to Megatron's context-parallel group.
     """
     check_inputs(q, k, v, g, beta, plan, initial_state)
-    if _backend(backend, q) == "fla":
-        from megatron_kcp.ops import kcp_fla
-        return kcp_fla.gated_delta_rule(q, k, v, g, beta, plan, group, scale, initial_state, use_qk_l2norm)
-    return KCPReference.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {STRATEGIES}")
+    if group is None and plan.world_size > 1:
+        group = cp_group_from_megatron()[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    name = choose(plan, q.shape[2] if g.dim() == 3 else -1, q.shape[-1]) if strategy == "auto" else strategy
+    return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
+                             _core(_backend(backend, q), g), Relay() if name == "relay" else AllGather())
 
 
 def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: KCPPlan = None, group=None,
@@ -68,7 +132,15 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
         raise ValueError("causal_conv1d needs a KCP plan: plan_for_cp_group(cu_seqlens, layout, conv_kernel_size)")
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != plan.num_local_tokens:
         raise ValueError(f"x must be the packed local stream [1, {plan.num_local_tokens}, D], got {tuple(x.shape)}")
+    if plan.conv_kernel_size != weight.shape[-1]:
+        raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}: "
+                         f"build the plan with conv_kernel_size={weight.shape[-1]}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}: use 'silu' or None")
+    if group is None and plan.world_size > 1:
+        group = cp_group_from_megatron()[0]
     if _backend(backend, x) == "fla":
-        from megatron_kcp.ops import kcp_fla
-        return kcp_fla.causal_conv1d(x, weight, bias, activation, plan, group)
+        from megatron_kcp.ops import core_fla
+        core_fla.core(kda=False, device=x.device)          # the environment check
+        return core_fla.causal_conv1d(x, weight, bias, activation, plan, group)
     return conv_reference.causal_conv1d(x, weight, bias, activation, plan, group)

@@ -30,13 +30,17 @@ LAYOUTS = ("contiguous", "zigzag", "zigzag_per_doc")
 MAX_HEAD_DIM = 256
 
 
+Link = tuple[int, int]        # (rank, local segment) of a neighbouring segment of the same sequence
+
+
 @dataclass(frozen=True)
 class Chain:
-    """A local segment that continues a sequence across pieces.
+    """A local segment whose state (forward) or state gradient (backward) comes from other pieces.
 
     ``sources`` are (rank, slot) in the all-gathered exchange buffer, ordered so that a fold
     ``S = M_j S + H_j`` over them runs along the recurrence (forward: from the sequence start up
-    to this piece; backward: from the sequence end down to this piece).
+    to this segment; backward: from the sequence end down to it). The first source starts its
+    sequence (forward) or ends it (backward), so its M is never needed.
     """
     segment: int
     seq: int
@@ -45,6 +49,9 @@ class Chain:
 
 @dataclass(frozen=True)
 class KCPPlan:
+    """One rank's view of the CP layout. Local segments are the local stream cut at sequence starts
+    and at piece edges, except where two local pieces are neighbours in the global stream (zigzag's
+    middle rank): those run as one segment, so nothing is exchanged between them."""
     world_size: int
     rank: int
     layout: str
@@ -52,8 +59,13 @@ class KCPPlan:
     pieces: tuple[tuple[int, int], ...]             # this rank's [start, end), local order
     cu_seqlens: tuple[int, ...]                     # local segments, local token offsets
     seg_seq: tuple[int, ...]                        # global sequence of each local segment
-    send_fwd: tuple[int, ...]                       # segments exporting [H|M] (a last segment that continues)
-    send_bwd: tuple[int, ...]                       # segments exporting [dH|M^T] (a first segment that continues)
+    seg_start: tuple[int, ...]                      # global position of each segment's first token
+    pred: tuple[Link | None, ...]                   # the segment before this one in its sequence
+    succ: tuple[Link | None, ...]                   # the segment after it
+    stage: tuple[int, ...]                          # position of the segment along its sequence (0: first)
+    num_stages: tuple[int, ...]                     # segments of the segment's sequence, over all ranks
+    send_fwd: tuple[int, ...]                       # segments exporting their state map (they have a succ)
+    send_bwd: tuple[int, ...]                       # segments exporting their state-gradient map (a pred)
     recv_fwd: tuple[Chain, ...]                     # segments whose initial state is folded
     recv_bwd: tuple[Chain, ...]                     # segments whose final-state gradient is folded
     num_slots_fwd: int                              # exchange buffer slots per rank (max over ranks; 0: no exchange)
@@ -65,6 +77,10 @@ class KCPPlan:
     def num_pieces(self) -> int:
         """Pieces per rank (the same on every rank in every layout)."""
         return len(self.pieces)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_seq)
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +95,11 @@ class KCPPlan:
         return self.conv_kernel_size - 1
 
     @property
+    def is_local(self) -> bool:
+        """No sequence crosses a rank: nothing to exchange on any rank."""
+        return self.num_slots_fwd == 0
+
+    @property
     def pre_num_ranks(self) -> int:
         """Earlier ranks holding part of this rank's first sequence."""
         c = next((c for c in self.recv_fwd if c.segment == 0), None)
@@ -87,7 +108,7 @@ class KCPPlan:
     @property
     def post_num_ranks(self) -> int:
         """Later ranks holding part of this rank's last sequence."""
-        last = len(self.seg_seq) - 1
+        last = self.num_segments - 1
         c = next((c for c in self.recv_bwd if c.segment == last), None)
         return 0 if c is None else len({r for r, _ in c.sources} - {self.rank})
 
@@ -95,6 +116,10 @@ class KCPPlan:
     def num_conv_halo_tokens(self) -> int:
         """Tokens of the same sequences this rank receives for its short conv."""
         return sum(r >= 0 for r, _, _ in self.halo_src)
+
+    def token_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """Local tokens of segments [lo, hi)."""
+        return self.cu_seqlens[lo], self.cu_seqlens[hi]
 
     def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
         return _as_tensor(self.cu_seqlens, device)
@@ -156,13 +181,17 @@ def layout_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int) 
 
 
 def _segments(pieces, cu):
-    """Local segments: (piece index, global start, global end, global sequence)."""
+    """Local segments: (global start, global end, global sequence), cut at sequence starts and at
+    piece edges, except between local pieces that are neighbours in the global stream."""
     segs = []
-    for p, (s, e) in enumerate(pieces):
+    for s, e in pieces:
         n = bisect.bisect_right(cu, s) - 1
         while s < e:
             end = min(e, cu[n + 1])
-            segs.append((p, s, end, n))
+            if segs and segs[-1][1] == s and segs[-1][2] == n:       # continues the previous local piece
+                segs[-1] = (segs[-1][0], end, n)
+            else:
+                segs.append((s, end, n))
             s, n = end, n + 1
     return segs
 
@@ -180,61 +209,43 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
     all_pieces = [layout_pieces(layout, cu, W, r) for r in range(W)]
     all_segs = [_segments(p, cu) for p in all_pieces]
 
-    def first_seg(r, p):
-        return next(s for s in all_segs[r] if s[0] == p)
+    # every sequence's segments in global order, as (rank, local segment)
+    by_seq: dict[int, list[tuple[int, int, int]]] = {}
+    for r, segs in enumerate(all_segs):
+        for i, (s, _, n) in enumerate(segs):
+            by_seq.setdefault(n, []).append((s, r, i))
+    pred, succ, stage, nstage = ({} for _ in range(4))
+    for n, lst in by_seq.items():
+        lst.sort()
+        links = [(r, i) for _, r, i in lst]
+        for j, link in enumerate(links):
+            pred[link] = links[j - 1] if j else None
+            succ[link] = links[j + 1] if j + 1 < len(links) else None
+            stage[link], nstage[link] = j, len(links)
 
-    def last_seg(r, p):
-        return next(s for s in reversed(all_segs[r]) if s[0] == p)
+    # exchange slots: forward exports every segment with a successor, backward every one with a predecessor
+    slot_fwd = [{i: k for k, i in enumerate(i for i in range(len(all_segs[r])) if succ[(r, i)])} for r in range(W)]
+    slot_bwd = [{i: k for k, i in enumerate(i for i in range(len(all_segs[r])) if pred[(r, i)])} for r in range(W)]
 
-    # exchange slots: forward exports each piece's continuing last segment, backward its continuing first
-    slots_fwd, slots_bwd = [], []
-    for r in range(W):
-        fwd, bwd = {}, {}
-        for p, (s, e) in enumerate(all_pieces[r]):
-            _, _, se, n = last_seg(r, p)
-            if se == e and e < cu[n + 1]:
-                fwd[p] = len(fwd)
-            _, ss, _, n = first_seg(r, p)
-            if ss == s and s > cu[n]:
-                bwd[p] = len(bwd)
-        slots_fwd.append(fwd)
-        slots_bwd.append(bwd)
-
-    # every piece in global order, to walk a sequence across pieces
-    order = sorted((s, e, r, p) for r in range(W) for p, (s, e) in enumerate(all_pieces[r]))
-    starts = [o[0] for o in order]
-
-    def pieces_between(lo, hi):
-        """Pieces overlapping [lo, hi), in global order."""
-        i = bisect.bisect_right(starts, lo) - 1
-        out = []
-        while i < len(order) and order[i][0] < hi:
-            out.append(order[i])
-            i += 1
-        return out
-
-    pieces = all_pieces[rank]
     segs = all_segs[rank]
-    seg_index = {(p, s): i for i, (p, s, _, _) in enumerate(segs)}
-    recv_fwd, recv_bwd, send_fwd, send_bwd = [], [], [], []
-    for p, (s, e) in enumerate(pieces):
-        _, ss, _, n = first_seg(rank, p)
-        if p in slots_bwd[rank]:
-            send_bwd.append(seg_index[(p, ss)])
-        if ss == s and s > cu[n]:
-            src = tuple((r, slots_fwd[r][q]) for _, _, r, q in pieces_between(cu[n], s))
-            recv_fwd.append(Chain(seg_index[(p, ss)], n, src))
-        _, ls, le, n = last_seg(rank, p)
-        if p in slots_fwd[rank]:
-            send_fwd.append(seg_index[(p, ls)])
-        if le == e and e < cu[n + 1]:
-            src = tuple((r, slots_bwd[r][q]) for _, _, r, q in reversed(pieces_between(e, cu[n + 1])))
-            recv_bwd.append(Chain(seg_index[(p, ls)], n, src))
+    me = [(rank, i) for i in range(len(segs))]
+    recv_fwd, recv_bwd = [], []
+    for i, link in enumerate(me):
+        n = segs[i][2]
+        chain = [(r, j) for _, r, j in sorted(by_seq[n])]
+        before, after = chain[:stage[link]], chain[stage[link] + 1:]
+        if before:
+            recv_fwd.append(Chain(i, n, tuple((r, slot_fwd[r][j]) for r, j in before)))
+        if after:
+            recv_bwd.append(Chain(i, n, tuple((r, slot_bwd[r][j]) for r, j in reversed(after))))
 
     # conv halo: the kernel_size-1 tokens before each piece, from the tails of earlier pieces
+    order = sorted((s, e, r, p) for r in range(W) for p, (s, e) in enumerate(all_pieces[r]))
+    starts = [o[0] for o in order]
+    pieces = all_pieces[rank]
     halo = []
     hl = conv_kernel_size - 1
-    for p, (s, e) in enumerate(pieces):
+    for s, _ in pieces:
         n = bisect.bisect_right(cu, s) - 1
         for x in range(s - hl, s):
             if x < cu[n]:
@@ -244,15 +255,16 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
             halo.append((r, q, hl - (pe - x)))       # tail rows hold the last hl tokens of a piece
 
     local = [0]
-    for _, a, b, _ in segs:
+    for a, b, _ in segs:
         local.append(local[-1] + b - a)
     return KCPPlan(
         world_size=W, rank=rank, layout=layout, global_cu_seqlens=cu, pieces=tuple(pieces),
-        cu_seqlens=tuple(local), seg_seq=tuple(n for *_, n in segs),
-        send_fwd=tuple(send_fwd), send_bwd=tuple(send_bwd),
+        cu_seqlens=tuple(local), seg_seq=tuple(n for *_, n in segs), seg_start=tuple(s for s, _, _ in segs),
+        pred=tuple(pred[x] for x in me), succ=tuple(succ[x] for x in me),
+        stage=tuple(stage[x] for x in me), num_stages=tuple(nstage[x] for x in me),
+        send_fwd=tuple(slot_fwd[rank]), send_bwd=tuple(slot_bwd[rank]),
         recv_fwd=tuple(recv_fwd), recv_bwd=tuple(recv_bwd),
-        num_slots_fwd=max(len(x) for x in slots_fwd),
-        num_slots_bwd=max(len(x) for x in slots_bwd),
+        num_slots_fwd=max(len(x) for x in slot_fwd), num_slots_bwd=max(len(x) for x in slot_bwd),
         conv_kernel_size=conv_kernel_size, halo_src=tuple(halo),
     )
 

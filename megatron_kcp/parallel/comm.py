@@ -1,0 +1,58 @@
+"""The collectives KCP issues: an all-gather, a reduce-scatter and batched point-to-point sends.
+
+gloo cannot move CUDA tensors point to point (and the tests run gloo with ranks sharing a GPU),
+so on gloo CUDA tensors travel through host memory; NCCL takes them as they are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """``[W, *x.shape]`` from every rank of ``group``."""
+    W = dist.get_world_size(group)
+    out = x.new_empty(W * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(W, *x.shape)
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ranks of ``x`` ``[W, *shape]``; returns this rank's ``[*shape]``."""
+    out = x.new_empty(x.shape[1:])
+    if dist.get_backend(group) == "gloo":               # gloo has no reduce-scatter
+        dist.all_reduce(x, group=group)
+        return x[dist.get_rank(group)].clone()
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class P2P:
+    """One batch of sends and receives; ``wait()`` makes the received tensors usable. Sends are
+    kept alive (and, on gloo, completed) until :meth:`finish`, so the caller can go on computing."""
+
+    def __init__(self, group):
+        self.group = group
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.pending = []
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        """Send ``sends[peer]`` and receive into ``recvs[peer]`` (group ranks); returns once received.
+
+        Plain isend/irecv rather than a batch: a batch's first use must involve every rank of the group,
+        and a relay step involves two. Each pair sees its sends and receives in the same order on both
+        sides (stage order), which is all NCCL's point-to-point needs."""
+        for peer, t in sends.items():
+            buf = t.cpu() if self.gloo and t.is_cuda else t.contiguous()
+            self.pending += [buf, dist.isend(buf, group=self.group, group_dst=peer)]
+        for peer, t in recvs.items():
+            buf = torch.empty(t.shape, dtype=t.dtype) if self.gloo and t.is_cuda else t
+            dist.irecv(buf, group=self.group, group_src=peer).wait()
+            if buf is not t:
+                t.copy_(buf)
+
+    def finish(self) -> None:
+        for w in self.pending:
+            if not isinstance(w, torch.Tensor):
+                w.wait()
+        self.pending = []
