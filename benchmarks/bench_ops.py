@@ -6,17 +6,20 @@
     python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 --layouts contiguous zigzag
 
 Op level (``--what ops``): per model (GDN, KDA), total tokens T, documents (``single``: one
-sequence; ``varlen``: the 10-document cu_seqlens of VARLEN_32K, boundaries scaled by T / 32768),
-heads H (K = V = --head-dim) and pass (fwd, fwd+bwd), one row per method:
+sequence; ``varlen``: the 10-document cu_seqlens of VARLEN_32K, boundaries scaled by T / 32768;
+``varlen100``: 100 documents; every document padded to a multiple of 2W, as Megatron pads THD
+batches), heads H (K = V = --head-dim) and pass (fwd, fwd+bwd), one row per method and layout:
 
 * ``noCP``   the whole problem on one GPU (every rank runs it; the slowest rank counts);
 * ``cp2hp``  megatron-core GatedDeltaNet's scheme: one all-to-all of [q|k|v|g|beta] from sequence
              shards (zigzag) to head shards (each rank: the whole sequence, H/W heads), fla's chunk
              kernel, one all-to-all of o back; backward runs the same two in reverse;
-* ``kcp``    ``megatron_kcp.ops.kcp.gated_delta_rule`` (backend fla) on Megatron's zigzag layout
-             and on the contiguous one;
-* ``fla-cp`` fla's own CP called directly, as fla's CP tests do: ``build_cp_context`` (contiguous
-             split) and ``chunk_gated_delta_rule`` / ``chunk_kda`` with ``cp_context``.
+* ``kcp-relay``, ``kcp-gather``  ``megatron_kcp.ops.kcp.gated_delta_rule`` (backend fla) with either
+             exchange strategy (``kcp``: the cost model's pick), on every --layouts: contiguous,
+             zigzag and Megatron's per-document zigzag of packed batches (zigzag_per_doc);
+* ``fla-cp`` fla's own CP called directly, as fla's CP tests do: ``build_cp_context`` and
+             ``chunk_gated_delta_rule`` / ``chunk_kda`` with ``cp_context`` (contiguous, zigzag; on
+             zigzag_per_doc one call per document, fla's way for packed documents).
 
 Layer level (``--what layers``, one sequence of T tokens, hidden size --hidden, H q/k and v heads):
 KCPGatedDeltaNet and megatron-core 0.19's GatedDeltaNet with the same config and weights (CP=1
@@ -41,7 +44,7 @@ is spent, so a stopped stage still reports. ``--smoke`` runs tiny sizes on the C
 (reference kernels, no fla-cp): a check that the script works, not a measurement.
 
 ``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
-beside kcp (zigzag, every rank), per model at the first --tokens, --docs and --heads.
+beside each kcp method on each --layouts (every rank), per model at the first --tokens, --docs and --heads.
 
 ``--memory-only`` (memory.py) times nothing: per model and layout it prints the peak memory per rank
 of KCP fwd+bwd at each CP size, beside one GPU (one case: --tokens, --heads, --docs (default single),
@@ -66,7 +69,7 @@ sys.path.insert(0, str(ROOT))                      # benchmarks (this package), 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import init_rank, spawn  # noqa: E402
+from benchmarks.common import DOCS, init_rank, spawn  # noqa: E402
 from benchmarks.layers import run_layers  # noqa: E402
 from benchmarks.memory import NEEDS_GPU, report  # noqa: E402
 from benchmarks.ops import run_ops  # noqa: E402
@@ -103,11 +106,12 @@ def parse(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=2048, help="layer level: hidden size")
     p.add_argument("--models", nargs="+", choices=["GDN", "KDA"], default=["GDN", "KDA"])
-    p.add_argument("--docs", nargs="+", choices=["single", "varlen"], default=["single", "varlen"])
+    p.add_argument("--docs", nargs="+", choices=list(DOCS), default=list(DOCS))
     p.add_argument("--passes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
-    p.add_argument("--layouts", nargs="+", choices=["zigzag", "contiguous", "zigzag_per_doc"],
-                   default=["zigzag", "contiguous"], help="layouts of the kcp rows (zigzag_per_doc: --memory-only)")
-    p.add_argument("--methods", nargs="+", default=["noCP", "cp2hp", "kcp", "fla-cp"])
+    p.add_argument("--layouts", nargs="+", choices=["contiguous", "zigzag", "zigzag_per_doc"],
+                   default=["contiguous", "zigzag", "zigzag_per_doc"], help="layouts of the kcp and fla-cp rows")
+    p.add_argument("--methods", nargs="+", default=["noCP", "cp2hp", "kcp-relay", "kcp-gather", "fla-cp"],
+                   help="also: kcp (the cost model's pick of relay or gather)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
@@ -134,8 +138,6 @@ def parse(argv=None):
             args.docs = ["single"]
         if max(len(args.tokens), len(args.heads), len(args.docs)) > 1:
             p.error("--memory-only reports one case: give one --tokens, --heads and --docs value")
-    elif "zigzag_per_doc" in args.layouts:
-        p.error("--layouts zigzag_per_doc goes with --memory-only (the timed kcp rows: zigzag, contiguous)")
     if "noCP" not in args.methods:
         args.methods.append("noCP")                # every other row is measured against it
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)

@@ -1,5 +1,6 @@
 """Where the time goes (``--what profile``): torch.profiler's kernel table of one fwd+bwd, noCP
-(the whole problem on one GPU, rank 0) beside kcp on Megatron's zigzag layout (every rank), per
+(the whole problem on one GPU, rank 0) beside each kcp method (--methods: kcp-relay, kcp-gather, kcp)
+on each --layouts (every rank: the rank waiting in the exchange shows which one is late), per
 (model, T, H), after the same untimed warm-up as the timings. The sums per kernel say which part of
 the CP algorithm (state pass, transition pass, exchange, fold) costs what the single GPU does not pay."""
 from __future__ import annotations
@@ -20,16 +21,19 @@ def profile_case(b: Bench, model, T, docs, H):
     from megatron_kcp.ops import kcp
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
-    cu = cu_seqlens(docs, T)
+    from benchmarks.ops import KCP_METHODS
+    cu = cu_seqlens(docs, T, pad=2 * W)
     cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
     xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=0)
     kernel = chunk_kernel(model, dev)
-    plan = build_plan(cu, "zigzag", W, rank, CONV)
-    idx = local_token_index(plan).to(dev)
     backend = "fla" if b.cuda else "reference"
-    cases = (("noCP", lambda *x: kernel(*x, cu_dev, cu_cpu), None),
-             (f"kcp zigzag W={W}", lambda *x: kcp.gated_delta_rule(*x, plan, dist.group.WORLD, use_qk_l2norm=True,
-                                                                  backend=backend), idx))
+    cases = [("noCP", lambda *x: kernel(*x, cu_dev, cu_cpu), None)]
+    for layout in args.layouts:
+        plan = build_plan(cu, layout, W, rank, CONV)
+        idx = local_token_index(plan).to(dev)
+        for method in (m for m in args.methods if m in KCP_METHODS):
+            cases.append((f"{method} {layout} W={W}", lambda *x, plan=plan, s=KCP_METHODS[method]: kcp.gated_delta_rule(
+                *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), idx))
     for name, fn, idx in cases:
         pick = (lambda t: t) if idx is None else (lambda t: t[:, idx])
         step = op_steps(fn, fresh_leaves(pick(x) for x in xs), pick(do).contiguous())("fwd+bwd")

@@ -47,7 +47,7 @@ def _rank(rank, W, port, args, queue):
     from tests.fast_autotune import enable
     enable()
     b = Bench(args, init_rank(rank, W, port, "cuda"), W, rank)
-    cu = cu_seqlens(args.docs[0], args.tokens[0])
+    cu = cu_seqlens(args.docs[0], args.tokens[0], pad=2 * W)
     rows = []
     for model in args.models:
         for layout in args.layouts:
@@ -72,7 +72,7 @@ def report(args, cps):
     from megatron_kcp.parallel.plan import build_plan
     from tests.fast_autotune import enable
     enable()
-    cu = cu_seqlens(args.docs[0], args.tokens[0])
+    cu = cu_seqlens(args.docs[0], args.tokens[0], pad=2 * max(cps))
     plan = build_plan(cu, "contiguous", 1, 0, CONV)
     base = {model: peak_mib(args, model, plan, None, torch.device("cuda")) for model in args.models}
     rows = []

@@ -1,7 +1,10 @@
 """Op level: every method on one (model, tokens T, documents, heads H), fwd and fwd+bwd.
 
-noCP (the whole problem on one GPU, on every rank), cp2hp (cp2hp.py), kcp on the zigzag and
-contiguous layouts, and fla's own CP (``build_cp_context``, contiguous split, CUDA only).
+noCP (the whole problem on one GPU, on every rank), cp2hp (cp2hp.py), ours on every layout
+(``kcp-relay`` and ``kcp-gather``: the two exchange strategies; ``kcp``: the cost model's pick),
+and fla's own CP (``build_cp_context``, CUDA only) on its two layouts, contiguous and zigzag, and
+on the per-document layout as one fla CP call per document (what fla offers for packed batches).
+Every method sees the same documents, padded to multiples of 2W as Megatron pads THD batches.
 """
 from __future__ import annotations
 
@@ -49,16 +52,41 @@ def op_steps(fn, leaves, do):
     return make
 
 
+KCP_METHODS = {"kcp": "auto", "kcp-relay": "relay", "kcp-gather": "gather"}
+
+
+def fla_cp(kernel, plan, cu, group, dev):
+    """fla's own CP: one ``build_cp_context`` call over the stream (contiguous, zigzag), or one per
+    document on the per-document layout (each document is fla's zigzag of a one-sequence stream)."""
+    from fla.ops.cp import build_cp_context
+    if plan.layout != "zigzag_per_doc":
+        ctx = build_cp_context(torch.tensor(cu, device=dev), group=group, cu_seqlens_cpu=torch.tensor(cu),
+                               layout=plan.layout)
+        return lambda *x: kernel(*x, cp_context=ctx)
+    parts, off = [], 0
+    for (s0, e0), (s1, e1) in zip(plan.pieces[0::2], plan.pieces[1::2]):
+        n = (e0 - s0) * 2 * plan.world_size
+        one = torch.tensor([0, n])
+        parts.append((off, off + (e0 - s0) + (e1 - s1),
+                      build_cp_context(one.to(dev), group=group, cu_seqlens_cpu=one, layout="zigzag")))
+        off = parts[-1][1]
+
+    def run(*x):
+        return torch.cat([kernel(*(t[:, a:b] for t in x), cp_context=c) for a, b, c in parts], 1)
+    return run
+
+
 def ops_case(b: Bench, model, T, docs, H, table):
     """Every method of one (model, T, docs, H); rows go to ``table`` (rank 0) as they finish."""
     from megatron_kcp.ops import kcp
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
-    cu = cu_seqlens(docs, T)
+    cu = cu_seqlens(docs, T, pad=2 * W)
     cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
     xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=T + H + (model == "KDA"))
     kernel = chunk_kernel(model, dev)
-    plans = {lay: [build_plan(cu, lay, W, r, CONV) for r in range(W)] for lay in ("zigzag", "contiguous")}
+    layouts = [lay for lay in ("contiguous", "zigzag", "zigzag_per_doc") if lay in args.layouts or lay == "zigzag"]
+    plans = {lay: [build_plan(cu, lay, W, r, CONV) for r in range(W)] for lay in layouts}
     meta0 = dict(level="ops", model=model, tokens=T, docs=docs, heads=H)
 
     def run(method, layout, fn, idx, width):
@@ -91,25 +119,23 @@ def ops_case(b: Bench, model, T, docs, H, table):
     grads_ref = torch.autograd.grad(o_ref, leaves, do) if "fwd+bwd" in args.passes else ()
     o_ref, leaves = o_ref.detach(), None
     run("noCP", "-", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1)
-    zz = local_token_index(plans["zigzag"][rank]).to(dev)
-    ct = local_token_index(plans["contiguous"][rank]).to(dev)
+    index = {lay: local_token_index(plans[lay][rank]).to(dev) for lay in layouts}
     if H % W:
         for p in args.passes:
             table.add(dict(meta0, method="cp2hp", layout="zigzag", W=W, **{"pass": p},
                            note=f"n/a: H={H} heads cannot be split over W={W} ranks"))
     else:
-        run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), zz, W)
+        run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
     backend = "fla" if b.cuda else "reference"
-    for layout, idx in (("zigzag", zz), ("contiguous", ct)):
-        if layout in args.layouts:
-            plan = plans[layout][rank]
-            run("kcp", layout, lambda *x, plan=plan: kcp.gated_delta_rule(*x, plan, dist.group.WORLD,
-                                                                          use_qk_l2norm=True, backend=backend),
-                idx, W)
-    if b.cuda:
-        from fla.ops.cp import build_cp_context
-        ctx = build_cp_context(cu_dev, group=dist.group.WORLD, cu_seqlens_cpu=cu_cpu)
-        run("fla-cp", "contiguous", lambda *x: kernel(*x, cp_context=ctx), ct, W)
+    for layout in layouts:
+        if layout not in args.layouts:
+            continue
+        plan = plans[layout][rank]
+        for method, strategy in KCP_METHODS.items():
+            run(method, layout, lambda *x, plan=plan, s=strategy: kcp.gated_delta_rule(
+                *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), index[layout], W)
+        if b.cuda:
+            run("fla-cp", layout, fla_cp(kernel, plan, cu, dist.group.WORLD, dev), index[layout], W)
 
 
 def prewarm(b: Bench):

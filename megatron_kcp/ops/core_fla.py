@@ -4,8 +4,9 @@ The same steps fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` run, cut where t
 strategies need them (``core_reference`` documents the methods): ``prepare`` (l2norm, gate cumsum,
 the WY form: everything that needs no state) over the whole local stream once; then, on a range
 of local segments (varlen, one launch for all its documents), the state pass with per-segment
-initial states, the output, fla's CP pre-process for transition maps, and the backward cut after
-the state-gradient pass, so a relay can send the gradient on before the rest of the backward.
+initial states, the output, fla's CP pre-process for transition maps, and the backward cut around
+the state-gradient pass: what does not need the incoming gradient runs while it travels, and a
+relay sends the outgoing gradient on before the rest of the backward.
 The short conv runs fla's varlen conv with each piece's halo as that segment's initial state.
 """
 from __future__ import annotations
@@ -141,8 +142,9 @@ class GDNCore(_Core):
         chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g, cu_seqlens=kw["cu_seqlens"], chunk_size=CHUNK, multi_seqs=True)
         return hm
 
-    def backward_state(self, P, lo, hi, h0, do, dht):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    def backward_prepare(self, P, lo, hi, h0, do):
+        """What the state-gradient pass needs and the incoming gradient does not change."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
         (q, k, v, g, beta, A, do), kw = self.cut(P, lo, hi, *P.saved[:5], P.saved[7], do)
@@ -150,6 +152,11 @@ class GDNCore(_Core):
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False,
                                                    **kw)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=P.scale, **kw)
+        return q, k, g, w, h, v_new, dv, do, h0, kw
+
+    def backward_state(self, P, bpre, dht):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        q, k, g, w, h, v_new, dv, do, h0, kw = bpre
         dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=h0, dht=dht, do=do, dv=dv,
                                                      scale=P.scale, **kw)
         return (w, h, v_new, dh, dv, do), dh0
@@ -204,8 +211,8 @@ class KDACore(_Core):
         chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=g, cu_seqlens=kw["cu_seqlens"], chunk_size=CHUNK, multi_seqs=True)
         return hm
 
-    def backward_state(self, P, lo, hi, h0, do, dht):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    def backward_prepare(self, P, lo, hi, h0, do):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
         from fla.ops.kda.wy_fast import recompute_w_u_fwd
         (q, k, v, g, beta, Aqk, Akk, do), kw = self.cut(P, lo, hi, *P.saved[:5], *P.saved[7:9], do)
@@ -213,6 +220,11 @@ class KDACore(_Core):
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=h0, output_final_state=False,
                                                    **kw)
         dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=P.scale, chunk_size=CHUNK, **kw)
+        return qg, kg, w, g, h, v_new, dv, dAqk, do, h0, kw
+
+    def backward_state(self, P, bpre, dht):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        qg, kg, w, g, h, v_new, dv, dAqk, do, h0, kw = bpre
         dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=g, h0=h0, dht=dht, do=do, dv=dv,
                                                      scale=P.scale, chunk_size=CHUNK, **kw)
         return (h, v_new, dh, dv, dAqk, do), dh0

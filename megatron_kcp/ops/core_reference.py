@@ -1,7 +1,9 @@
 """The local core of a KCP step in pure PyTorch: the CPU path, and the oracle of the CUDA core.
 
 A core computes one rank's part on a range of its local segments, given each segment's initial
-state (forward) or final-state gradient (backward); the exchange strategies
+state (forward) or final-state gradient (backward): ``prepare`` once, then per range ``state`` ->
+``output`` and ``backward_prepare`` -> ``backward_state`` -> ``backward_rest``, and ``maps`` (the
+affine state map of every segment) where a strategy gathers maps. The exchange strategies
 (``megatron_kcp.parallel``) decide which range runs when and what crosses ranks. The CUDA core
 (``core_fla``) has the same methods over fla's kernels; this one runs the fp64 chunked reference
 (``reference.py``) and its autograd.
@@ -61,8 +63,13 @@ class ReferenceCore:
         return torch.stack([R.affine_state_map(k[:, a:b], g[:, a:b], beta[:, a:b], v[:, a:b], P.l2)
                             for a, b in zip(cu, cu[1:])]).float()
 
-    def backward_state(self, P: Prepared, lo, hi, h0, do, dht):
-        """(input gradients of the range, gradient of each segment's initial state)."""
+    def backward_prepare(self, P: Prepared, lo, hi, h0, do):
+        """What the state-gradient pass needs before the final-state gradient is known (here: its inputs)."""
+        return lo, hi, h0, do
+
+    def backward_state(self, P: Prepared, bpre, dht):
+        """(what backward_rest needs, the gradient of each segment's initial state)."""
+        lo, hi, h0, do = bpre
         xs, cu = P.cut(lo, hi)
         (do,), _ = P.cut(lo, hi, do)
         with torch.enable_grad():

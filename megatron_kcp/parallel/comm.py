@@ -1,4 +1,4 @@
-"""The collectives KCP issues: an all-gather, a reduce-scatter and batched point-to-point sends.
+"""The collectives KCP issues: an all-gather, a reduce-scatter and point-to-point sends.
 
 gloo cannot move CUDA tensors point to point (and the tests run gloo with ranks sharing a GPU),
 so on gloo CUDA tensors travel through host memory; NCCL takes them as they are.
@@ -28,31 +28,45 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class P2P:
-    """One batch of sends and receives; ``wait()`` makes the received tensors usable. Sends are
-    kept alive (and, on gloo, completed) until :meth:`finish`, so the caller can go on computing."""
+    """Point-to-point sends and receives of one strategy call. Sends are kept alive until
+    :meth:`finish`, so the caller goes on computing; a receive is posted early and waited for
+    (``Pending.wait``) where its data is needed, so the work in between overlaps the transfer.
+    Plain isend/irecv rather than a batch: a batch's first use must involve every rank of the group,
+    and a relay step involves two. Each pair of ranks issues its sends and receives in the same
+    (stage) order on both sides, which is all NCCL's point-to-point needs."""
 
     def __init__(self, group):
         self.group = group
         self.gloo = dist.get_backend(group) == "gloo"
         self.pending = []
 
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-        """Send ``sends[peer]`` and receive into ``recvs[peer]`` (group ranks); returns once received.
-
-        Plain isend/irecv rather than a batch: a batch's first use must involve every rank of the group,
-        and a relay step involves two. Each pair sees its sends and receives in the same order on both
-        sides (stage order), which is all NCCL's point-to-point needs."""
+    def send(self, sends: dict[int, torch.Tensor]) -> None:
         for peer, t in sends.items():
             buf = t.cpu() if self.gloo and t.is_cuda else t.contiguous()
             self.pending += [buf, dist.isend(buf, group=self.group, group_dst=peer)]
+
+    def recv(self, recvs: dict[int, torch.Tensor]) -> "Pending":
+        """Post receives into ``recvs[peer]``; they are usable after the returned ``wait()``."""
+        posted = []
         for peer, t in recvs.items():
             buf = torch.empty(t.shape, dtype=t.dtype) if self.gloo and t.is_cuda else t
-            dist.irecv(buf, group=self.group, group_src=peer).wait()
-            if buf is not t:
-                t.copy_(buf)
+            posted.append((t, buf, dist.irecv(buf, group=self.group, group_src=peer)))
+        return Pending(posted)
 
     def finish(self) -> None:
         for w in self.pending:
             if not isinstance(w, torch.Tensor):
                 w.wait()
         self.pending = []
+
+
+class Pending:
+    def __init__(self, posted):
+        self.posted = posted
+
+    def wait(self) -> None:
+        """On NCCL the current stream waits (the host does not); on gloo the host waits and copies."""
+        for t, buf, work in self.posted:
+            work.wait()
+            if buf is not t:
+                t.copy_(buf)

@@ -81,7 +81,7 @@ class AllGather:
             buf = h0.new_zeros(plan.num_slots_bwd, HV, K, V + K)
             if plan.send_bwd:
                 lo, hi = _span(plan.send_bwd)
-                _, dH = core.backward_state(P, lo, hi, h0[lo:hi], do, dht[lo:hi])
+                _, dH = core.backward_state(P, core.backward_prepare(P, lo, hi, h0[lo:hi], do), dht[lo:hi])
                 buf[:len(plan.send_bwd), ..., :V] = dH[[s - lo for s in plan.send_bwd]]
             # segments that also export forward continue their sequence both ways: their M^T folds
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
@@ -89,5 +89,5 @@ class AllGather:
             if middle:
                 buf[[slot[s] for s in middle], ..., V:] = M.transpose(-1, -2)
             fold(all_gather(buf, group), plan.recv_bwd, dht)
-        bst, dh0 = core.backward_state(P, 0, n, h0, do, dht)
+        bst, dh0 = core.backward_state(P, core.backward_prepare(P, 0, n, h0, do), dht)
         return core.backward_rest(P, 0, n, bst), dh0

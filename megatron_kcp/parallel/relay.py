@@ -77,15 +77,23 @@ def _by_peer(plan: KCPPlan, segs, links):
     return out
 
 
-def _receive(p2p: P2P, plan, segs, links, into: torch.Tensor) -> None:
-    bufs = {peer: into.new_empty(len(s), *into.shape[1:]) for peer, s in _by_peer(plan, segs, links).items()}
-    p2p.exchange({}, bufs)
-    for peer, s in _by_peer(plan, segs, links).items():
-        into[list(s)] = bufs[peer]
+def _receive(p2p: P2P, plan, segs, links, into: torch.Tensor):
+    """Post the receives of ``segs`` (from the ranks ``links`` names); ``wait()`` fills ``into``."""
+    groups = _by_peer(plan, segs, links)
+    bufs = {peer: into.new_empty(len(s), *into.shape[1:]) for peer, s in groups.items()}
+    pending = p2p.recv(bufs)
+
+    class Filled:
+        @staticmethod
+        def wait():
+            pending.wait()
+            for peer, s in groups.items():
+                into[list(s)] = bufs[peer]
+    return Filled
 
 
 def _send(p2p: P2P, plan, segs, links, rows: torch.Tensor, lo: int) -> None:
-    p2p.exchange({peer: rows[[i - lo for i in s]] for peer, s in _by_peer(plan, segs, links).items()}, {})
+    p2p.send({peer: rows[[i - lo for i in s]] for peer, s in _by_peer(plan, segs, links).items()})
 
 
 class Relay:
@@ -96,7 +104,7 @@ class Relay:
         steps, covering = phases(plan, backward=False)
         p2p, outs = P2P(group), []
         for k, ph in enumerate(steps):
-            _receive(p2p, plan, ph.recv, plan.pred, h0)
+            _receive(p2p, plan, ph.recv, plan.pred, h0).wait()
             if covering and k < len(steps) - 1:
                 if ph.send:
                     _, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
@@ -109,19 +117,26 @@ class Relay:
         return _assemble(outs)
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor):
-        """(input gradients of the local stream, dh0 of every segment)."""
+        """(input gradients of the local stream, dh0 of every segment). Each phase prepares what does
+        not need the incoming state gradient while that is on its way."""
         steps, covering = phases(plan, backward=True)
         p2p, outs = P2P(group), []
         dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
         for k, ph in enumerate(steps):
-            _receive(p2p, plan, ph.recv, plan.succ, dht)
+            arriving = _receive(p2p, plan, ph.recv, plan.succ, dht)
             lo, hi = ph.lo, ph.hi
             if covering and k < len(steps) - 1:
                 if ph.send:
-                    _, d = core.backward_state(P, lo, hi, h0[lo:hi], do, dht[lo:hi])
+                    bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
+                    arriving.wait()
+                    _, d = core.backward_state(P, bpre, dht[lo:hi])
                     _send(p2p, plan, ph.send, plan.pred, d, lo)
+                else:
+                    arriving.wait()
                 continue
-            bst, d = core.backward_state(P, lo, hi, h0[lo:hi], do, dht[lo:hi])
+            bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
+            arriving.wait()
+            bst, d = core.backward_state(P, bpre, dht[lo:hi])
             _send(p2p, plan, ph.send, plan.pred, d, lo)
             dh0[lo:hi] = d
             outs.append((lo, core.backward_rest(P, lo, hi, bst)))

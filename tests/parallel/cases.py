@@ -49,3 +49,53 @@ def shard(plan, *xs):
 
 def plan_for(cu, layout, W, rank, ks=4):
     return build_plan(cu, layout, W, rank, ks)
+
+
+def long_memory_cu(gen: torch.Generator, W: int, piece: int = 140) -> tuple[int, ...]:
+    """A packed batch of many documents that every layout can split (lengths multiples of 2W): a long
+    document across each of the 2W - 1 zigzag edges (so across every contiguous edge too), and between
+    them documents of 1 to 3 times 2W tokens: shorter than a 64-token chunk, and cut by the
+    per-document layout into pieces of 1 to 3 tokens, shorter than the conv halo. With ``piece`` =
+    140: about 35 documents per zigzag chunk, over 50 per rank in every layout."""
+    unit = 2 * W
+    P = piece * unit                                    # tokens per zigzag chunk
+    reach = (3 * P // 10) // unit * unit                # a long document's part on each side of an edge
+
+    def fill(a, b):                                     # short documents over [a, b)
+        out = []
+        while a < b:
+            n = min(b - a, unit * int(torch.randint(1, 4, (1,), generator=gen)))
+            out.append(n)
+            a += n
+        return out
+
+    lens, pos = [], 0
+    for e in range(P, 2 * W * P, P):
+        lens += fill(pos, e - reach) + [2 * reach]
+        pos = e + reach
+    lens += fill(pos, 2 * W * P)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return tuple(cu)
+
+
+def long_memory_inputs(gen, cu, H, HV, K, V, kda: bool, dtype=torch.float32, device="cpu", block: int = 96,
+                       rank: int = 2):
+    """Inputs whose state outlives a piece: log-decay about 1e-4 per token, and keys that do not span
+    K (each block of ``block`` tokens writes keys from its own ``rank``-dim subspace, so the delta rule
+    leaves the rest of the state as earlier blocks wrote it), with full-rank queries reading all of it.
+    The state a piece receives is then a large part of its output."""
+    T = cu[-1]
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+    nb = -(-T // block)
+    basis = torch.linalg.qr(rn(nb, H, K, K))[0][..., :rank]                # [nb, H, K, rank] orthonormal
+    coef = rn(T, H, rank)
+    k = torch.einsum("thkr,thr->thk", basis[torch.arange(T) // block], coef)
+    q, v = rn(T, H, K), rn(T, HV, V)
+    g = -1e-4 * (0.5 + torch.rand(T, HV, K, generator=gen, dtype=torch.float64))
+    g = g if kda else g[..., 0]
+    beta = 0.2 + 0.6 * torch.rand(T, HV, generator=gen, dtype=torch.float64)
+    return [x[None].to(dtype=dtype, device=device) for x in (q, k, v, g, beta)]

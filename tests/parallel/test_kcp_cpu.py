@@ -1,54 +1,61 @@
-"""KCP on CPU ranks (gloo) equals the single-process reference, forward and backward."""
+"""KCP on CPU ranks (gloo) equals the single-process reference, forward and backward, for both
+exchange strategies; and on inputs whose state outlives a piece, the same comparison with the
+exchange switched off fails, so these tests see a wrong exchange."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.ops import kcp
+from megatron_kcp.ops import conv_reference, kcp
 from megatron_kcp.ops import reference as R
-from megatron_kcp.parallel import exchange
 from megatron_kcp.parallel.plan import LAYOUTS
 from tests.distributed import rel_err, spawn
-from tests.parallel.cases import plan_for, random_cu_seqlens, random_inputs, shard
+from tests.parallel.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, random_inputs, shard
 
 KINDS = ("random", "single", "edges", "tiny")
+STRATEGIES = ("relay", "gather")
 TOL = 1e-5
+NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
 
-def _gdr_case(layout, kind, seed, kda, gva, group):
+def _group():
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_group()
+
+
+def _compare(cu, xs, h0, layout, strategy, l2, group, seed):
+    """Errors of this rank's KCP run against the single-process oracle (all-reduced max over ranks)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
-    cu = random_cu_seqlens(gen, layout, W, kind)
-    H, HV, K, V = 2, 4 if gva else 2, 8, 6
-    xs = random_inputs(gen, cu[-1], len(cu) - 1, H, HV, K, V, kda)
-    do = torch.randn(1, cu[-1], HV, V, generator=gen)
-    l2 = seed % 2 == 0
-    # single-process oracle over the whole stream
-    ref = [x.clone().requires_grad_() for x in xs]
-    o_ref, _ = R.chunk_gated_delta_rule(*ref[:5], initial_state=ref[5], use_qk_l2norm=l2,
-                                        cu_seqlens=torch.tensor(cu))
+    do = torch.randn(1, cu[-1], *xs[2].shape[2:], generator=gen)
+    ref = [x.clone().requires_grad_() for x in xs + ([h0] if h0 is not None else [])]
+    o_ref, _ = R.chunk_gated_delta_rule(*ref[:5], initial_state=ref[5] if h0 is not None else None,
+                                        use_qk_l2norm=l2, cu_seqlens=torch.tensor(cu))
     ref_grads = torch.autograd.grad(o_ref, ref, do)
-    # CP run on this rank's shard
     plan = plan_for(cu, layout, W, r)
-    loc = [x.clone().requires_grad_() for x in shard(plan, *xs[:5])]
-    h0 = xs[5].clone().requires_grad_()
-    o = kcp.gated_delta_rule(*loc, plan, group, initial_state=h0, use_qk_l2norm=l2, backend="reference")
-    grads = torch.autograd.grad(o, loc + [h0], shard(plan, do)[0])
-    dh0 = grads[5].clone()
-    dist.all_reduce(dh0, group=group)
-    errs = {"o": rel_err(o, shard(plan, o_ref)[0]), "dh0": rel_err(dh0, ref_grads[5])}
-    for name, gl, gr in zip("q k v g beta".split(), grads, ref_grads):
-        errs["d" + name] = rel_err(gl, shard(plan, gr)[0])
-    return cu, errs
+    loc = [x.clone().requires_grad_() for x in shard(plan, *xs)]
+    init = [h0.clone().requires_grad_()] if h0 is not None else []
+    o = kcp.gated_delta_rule(*loc, plan, group, initial_state=init[0] if init else None, use_qk_l2norm=l2,
+                             backend="reference", strategy=strategy)
+    grads = torch.autograd.grad(o, loc + init, shard(plan, do)[0])
+    errs = {"o": rel_err(o, shard(plan, o_ref)[0])}
+    for name, gl, gr in zip(NAMES[1:], grads, ref_grads):
+        errs[name] = rel_err(gl, shard(plan, gr)[0])
+    if init:
+        dh0 = grads[5].clone()
+        dist.all_reduce(dh0, group=group)
+        errs["dh0"] = rel_err(dh0, ref_grads[5])
+    worst = torch.tensor(list(errs.values()), dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(errs, worst.tolist()))
 
 
-def _conv_case(layout, kind, seed, group):
+def _conv_errors(cu, layout, seed, group, x=None):
     W, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
-    cu = random_cu_seqlens(gen, layout, W, kind)
     D, ks = 5, 4
-    x = torch.randn(1, cu[-1], D, generator=gen)
+    x = torch.randn(1, cu[-1], D, generator=gen) if x is None else x
     w, b = torch.randn(D, ks, generator=gen), torch.randn(D, generator=gen)
     dy = torch.randn(1, cu[-1], D, generator=gen)
     ref = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -61,48 +68,98 @@ def _conv_case(layout, kind, seed, group):
     dx, dw, db = torch.autograd.grad(y, (xl, wl, bl), shard(plan, dy)[0])
     dist.all_reduce(dw, group=group)
     dist.all_reduce(db, group=group)
-    return cu, {"y": rel_err(y, shard(plan, y_ref)[0]), "dx": rel_err(dx, shard(plan, ref_grads[0])[0]),
-                "dw": rel_err(dw, ref_grads[1]), "db": rel_err(db, ref_grads[2])}
+    errs = {"y": rel_err(y, shard(plan, y_ref)[0]), "dx": rel_err(dx, shard(plan, ref_grads[0])[0]),
+            "dw": rel_err(dw, ref_grads[1]), "db": rel_err(db, ref_grads[2])}
+    worst = torch.tensor(list(errs.values()), dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(errs, worst.tolist()))
 
 
-def _run_all(layout, seeds):
-    from megatron.core import parallel_state as ps
-    group = ps.get_context_parallel_group()
+def _random_cases(layout, seeds):
+    group = _group()
+    W = dist.get_world_size(group)
     for seed in seeds:
         for kind in KINDS:
             for kda in (False, True):
-                cu, errs = _gdr_case(layout, kind, seed, kda, gva=seed % 3 == 0, group=group)
-                bad = {k: v for k, v in errs.items() if not v <= TOL}
-                assert not bad, f"{layout} {kind} seed={seed} kda={kda} cu={cu}: {bad}"
-            cu, errs = _conv_case(layout, kind, seed, group)
+                gen = torch.Generator().manual_seed(seed)
+                cu = random_cu_seqlens(gen, layout, W, kind)
+                xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4 if seed % 3 == 0 else 2, 8, 6, kda)
+                for strategy in STRATEGIES:
+                    errs = _compare(cu, xs[:5], xs[5], layout, strategy, seed % 2 == 0, group, seed)
+                    bad = {k: v for k, v in errs.items() if not v <= TOL}
+                    assert not bad, f"{layout} {kind} {strategy} seed={seed} kda={kda} cu={cu}: {bad}"
+            errs = _conv_errors(random_cu_seqlens(torch.Generator().manual_seed(seed), layout, W, kind), layout,
+                                seed, group)
             bad = {k: v for k, v in errs.items() if not v <= TOL}
-            assert not bad, f"conv {layout} {kind} seed={seed} cu={cu}: {bad}"
+            assert not bad, f"conv {layout} {kind} seed={seed}: {bad}"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kcp_matches_single_process(layout, world_size):
-    spawn(_run_all, world_size, layout, [world_size * 10 + i for i in range(2)])
+    """Random packings: cuts anywhere, on rank edges, one sequence over all ranks, 1-token pieces."""
+    spawn(_random_cases, world_size, layout, [world_size * 10])
 
 
-def _exchange_disabled(layout):
-    from megatron.core import parallel_state as ps
-    group = ps.get_context_parallel_group()
+class NoExchange:
+    """Every piece from a zero state (the user's where a sequence starts) and no state gradient from
+    later pieces: KCP with its exchange switched off."""
+    name = "none"
 
-    def no_fold(maps, plan, group, *a):
-        return maps.new_zeros(len(plan.seg_seq), maps.shape[1], maps.shape[2], maps.shape[3] - maps.shape[2])
-    exchange_fwd, exchange_bwd = exchange.fold_forward, exchange.fold_backward
-    import megatron_kcp.ops.kcp_reference as kr
-    kr.fold_forward = kr.fold_backward = no_fold
+    def forward(self, core, P, plan, group, h0):
+        st, _ = core.state(P, 0, plan.num_segments, h0)
+        return core.output(P, 0, plan.num_segments, st)
+
+    def backward(self, core, P, plan, group, h0, do):
+        n = plan.num_segments
+        bst, dh0 = core.backward_state(P, core.backward_prepare(P, 0, n, h0, do), torch.zeros_like(h0))
+        return core.backward_rest(P, 0, n, bst), dh0
+
+
+def _exchange_off():
+    """Swap in NoExchange for the relay and a zero conv halo (restored by the returned callable)."""
+    relay, halo = kcp.Relay, conv_reference.HaloExchange.apply
+    kcp.Relay = NoExchange
+    conv_reference.HaloExchange.apply = lambda x, plan, group: x.new_zeros(plan.num_pieces * plan.halo_len,
+                                                                           x.shape[1])
+
+    def restore():
+        kcp.Relay, conv_reference.HaloExchange.apply = relay, halo
+    return restore
+
+
+def _long_memory(layout, kda):
+    group = _group()
+    W = dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(7 + W)
+    cu = long_memory_cu(gen, W)
+    xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, kda)
+    for strategy in STRATEGIES:
+        errs = _compare(cu, xs, None, layout, strategy, True, group, seed=W)
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"{layout} W={W} {strategy} kda={kda}: {bad}"
+    conv = _conv_errors(cu, layout, W, group)
+    assert max(conv.values()) <= TOL, f"conv {layout} W={W}: {conv}"
+    # the negative control: the same comparisons with the exchange switched off must fail
+    restore = _exchange_off()
     try:
-        _, errs = _gdr_case(layout, "single", 3, kda=True, gva=False, group=group)
+        off = _compare(cu, xs, None, layout, "relay", True, group, seed=W)
+        conv_off = _conv_errors(cu, layout, W, group)
     finally:
-        kr.fold_forward, kr.fold_backward = exchange_fwd, exchange_bwd
-    errs = torch.tensor([errs["o"], errs["dk"]])
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
-    assert (errs > 1e-2).all(), f"a run without the state exchange still matched: {errs}"
+        restore()
+    weak = {k: v for k, v in {**off, **{"conv_" + k: v for k, v in conv_off.items() if k in ("y", "dx")}}.items()
+            if not v >= 10 * TOL}
+    assert not weak, f"{layout} W={W} kda={kda}: without the exchange these still match: {weak} (all: {off})"
+    if dist.get_rank(group) == 0:
+        print(f"{layout} W={W} {'KDA' if kda else 'GDN'} exchange off: " +
+              " ".join(f"{k}:{v:.1e}" for k, v in {**off, **conv_off}.items()), flush=True)
 
 
-def test_exchange_is_load_bearing():
-    """The equivalence test can fail: with the folds replaced by zeros, o and dk are wrong."""
-    spawn(_exchange_disabled, 2, "zigzag")
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
+def test_long_memory_and_exchange_is_load_bearing(layout, world_size, kda):
+    """Over 50 documents per rank, slow decay, keys that do not span K: both strategies match the
+    oracle to 1e-5 in the output and every input gradient, and with the exchange off they miss by
+    at least 10x that (output, every input gradient, conv output and input gradient)."""
+    spawn(_long_memory, world_size, layout, kda)
