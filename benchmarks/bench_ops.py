@@ -110,7 +110,7 @@ def parse(argv=None):
     p.add_argument("--passes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
     p.add_argument("--layouts", nargs="+", choices=["contiguous", "zigzag", "zigzag_per_doc"],
                    default=["contiguous", "zigzag", "zigzag_per_doc"], help="layouts of the kcp and fla-cp rows")
-    p.add_argument("--methods", nargs="+", default=["noCP", "cp2hp", "kcp-relay", "kcp-gather", "fla-cp"],
+    p.add_argument("--methods", nargs="+", default=["noCP", "noCP-qla", "cp2hp", "kcp-relay", "kcp-gather", "fla-cp"],
                    help="also: kcp (the cost model's pick of relay or gather)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
@@ -128,7 +128,7 @@ def parse(argv=None):
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
     if args.smoke:
         tiny = {"--tokens": [128], "--heads": [2], "--head-dim": 16, "--hidden": 32, "--dtype": "float32",
-                "--warmup": 1, "--iters": 2, "--cp": [2]}
+                "--warmup": 1, "--iters": 2, "--cp": [2], "--docs": ["single", "varlen"]}
         for flag, value in tiny.items():
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
@@ -146,6 +146,9 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    # fla sends GDN to flash-qla when that is installed; every fla row (noCP, cp2hp, fla-cp) runs fla's
+    # Triton kernels like ours, and flash-qla has a row of its own (noCP-qla)
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
     if args.memory_only and (args.device == "cpu" or not torch.cuda.is_available()):
         raise SystemExit(NEEDS_GPU)
     if args.device == "cpu":

@@ -27,11 +27,16 @@ def cu_seqlens(docs: str, T: int, pad: int = 1) -> tuple[int, ...]:
         return (0, T)
     if T % pad:
         raise ValueError(f"T={T} is not a multiple of the padding {pad}")
-    frac = [c / VARLEN_32K[-1] for c in VARLEN_32K[1:]] if docs == "varlen" else _weights100()
-    cu = (0, *(round(f * T / pad) * pad for f in frac))
-    if any(b <= a for a, b in zip(cu, cu[1:])):
+    if docs == "varlen":
+        cu = tuple(round(c * T / VARLEN_32K[-1] / pad) * pad for c in VARLEN_32K)
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"T={T} is too short for the varlen set with padding {pad}: use more --tokens")
+        return cu
+    frac = _weights100()
+    rest = T - len(frac) * pad                     # every document gets ``pad`` tokens, then its share
+    if rest < 0:
         raise ValueError(f"T={T} is too short for the {docs} set with padding {pad}: use more --tokens")
-    return cu
+    return (0, *((i + 1) * pad + round(f * rest / pad) * pad for i, f in enumerate(frac)))
 
 
 def rel_err(a, b) -> float:

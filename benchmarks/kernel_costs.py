@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -117,6 +118,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--csv", default=None)
     args = p.parse_args(argv)
+    os.environ.setdefault("FLA_FLASH_QLA", "0")       # fla's rows: its Triton kernels (flash-qla: the qla rows)
     if not torch.cuda.is_available():
         raise SystemExit("kernel_costs.py times CUDA kernels: run it on a GPU")
     rows = []

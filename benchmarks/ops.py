@@ -1,6 +1,7 @@
 """Op level: every method on one (model, tokens T, documents, heads H), fwd and fwd+bwd.
 
-noCP (the whole problem on one GPU, on every rank), cp2hp (cp2hp.py), ours on every layout
+noCP (the whole problem on one GPU, on every rank, fla's Triton kernels: what ours compose; and
+``noCP-qla``: flash-qla's fused GDN kernels, for scale), cp2hp (cp2hp.py), ours on every layout
 (``kcp-relay`` and ``kcp-gather``: the two exchange strategies; ``kcp``: the cost model's pick),
 and fla's own CP (``build_cp_context``, CUDA only) on its two layouts, contiguous and zigzag, and
 on the per-document layout as one fla CP call per document (what fla offers for packed batches).
@@ -119,6 +120,13 @@ def ops_case(b: Bench, model, T, docs, H, table):
     grads_ref = torch.autograd.grad(o_ref, leaves, do) if "fwd+bwd" in args.passes else ()
     o_ref, leaves = o_ref.detach(), None
     run("noCP", "-", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1)
+    if model == "GDN" and b.cuda and "noCP-qla" in args.methods:
+        try:
+            from flash_qla import chunk_gated_delta_rule as qla
+        except ImportError as e:
+            table.add(dict(meta0, method="noCP-qla", layout="-", W=1, **{"pass": "fwd+bwd"}, note=f"n/a: {e}"))
+        else:
+            run("noCP-qla", "-", lambda *x: qla(*x, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev)[0], None, 1)
     index = {lay: local_token_index(plans[lay][rank]).to(dev) for lay in layouts}
     if H % W:
         for p in args.passes:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 class CommLog:
     """The collectives one call issues: bytes this rank receives, and a replay of them alone."""
-    NAMES = ("all_gather_into_tensor", "all_to_all_single", "all_reduce")
+    NAMES = ("all_gather_into_tensor", "all_to_all_single", "all_reduce", "reduce_scatter_tensor", "isend", "irecv")
 
     def __init__(self):
         self.calls = []
@@ -32,7 +32,9 @@ class CommLog:
         def call(*args, **kw):
             group = kw.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             if dist.get_world_size(group) > 1:
-                self.calls.append((name, fn, args, kw, dist.get_world_size(group)))
+                # the replay needs the data's shape, not the data: keep a copy of what a send sends
+                saved = tuple(a.clone() if name == "isend" and isinstance(a, torch.Tensor) else a for a in args)
+                self.calls.append((name, fn, saved, kw, dist.get_world_size(group)))
             return fn(*args, **kw)
         return call
 
@@ -43,9 +45,11 @@ class CommLog:
             t = [a for a in list(args) + list(kw.values()) if isinstance(a, torch.Tensor)]
             if name == "all_gather_into_tensor":
                 total += t[0].nbytes - t[1].nbytes
-            elif name == "all_to_all_single":
-                total += t[0].nbytes * (W - 1) // W
-            else:                                      # ring all-reduce: reduce-scatter + all-gather
+            elif name in ("all_to_all_single", "reduce_scatter_tensor"):
+                total += t[-1].nbytes * (W - 1) // W
+            elif name == "irecv":
+                total += t[0].nbytes
+            elif name == "all_reduce":                 # ring all-reduce: reduce-scatter + all-gather
                 total += 2 * t[0].nbytes * (W - 1) // W
         return total
 
@@ -57,8 +61,10 @@ class CommLog:
                  for _, fn, args, kw, _ in self.calls]
 
         def step():
-            for fn, args, kw in calls:
-                fn(*args, **kw)
+            works = [fn(*args, **kw) for fn, args, kw in calls]
+            for w in works:                            # point-to-point ops return their work
+                if w is not None:
+                    w.wait()
         return step
 
 

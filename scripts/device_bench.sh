@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CP benchmarks in one device call, run from the repo root:
 #   source .devbundle/setup.sh && bash scripts/device_bench.sh
-# Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order), each with a soft
+# Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order; "large" is the
+# issue table: every layout, one sequence, 10 and 100 documents, fwd+bwd), each with a soft
 # budget (bench_ops.py --budget: cases left are skipped, the table still prints; a share of the
 # time left) and a hard limit (timeout): large = op level at KCP_BENCH_LARGE_HEADS heads and the
 # first token count; profile = torch.profiler's kernel table of noCP and kcp there; ops = op level
@@ -58,7 +59,7 @@ run_stage() {  # name, stages after it: a share of what is left, 45 s kept for e
   soft=$((2 * avail / ($2 + 1))); [ "$soft" -gt $((avail - 40)) ] && soft=$((avail - 40))
   case $1 in
     large) stage ops_h"$large_heads" "$soft" "$avail" --what ops --tokens "${tokens%% *}" --heads "$large_heads" \
-             --csv "$OUT/ops_h$large_heads.csv" ;;
+             --passes fwd+bwd --csv "$OUT/ops_h$large_heads.csv" ;;
     profile) stage profile "$soft" "$avail" --what profile --tokens "${tokens%% *}" --docs single \
                --heads "${large_heads:-$heads}" ;;
     ops) stage ops "$soft" "$avail" --what ops --tokens $tokens --heads "$heads" --csv "$OUT/ops.csv" ;;

@@ -36,9 +36,13 @@ class P2P:
     (stage) order on both sides, which is all NCCL's point-to-point needs."""
 
     def __init__(self, group):
-        self.group = group
-        self.gloo = dist.get_backend(group) == "gloo"
-        self.pending = []
+        self.group, self.pending, self._gloo = group, [], None
+
+    @property
+    def gloo(self) -> bool:
+        if self._gloo is None:                  # asked only when something moves (CP = 1 needs no group)
+            self._gloo = dist.get_backend(self.group) == "gloo"
+        return self._gloo
 
     def send(self, sends: dict[int, torch.Tensor]) -> None:
         for peer, t in sends.items():

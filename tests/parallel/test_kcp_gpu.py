@@ -38,7 +38,7 @@ CONV_TOL = 1e-3
 
 
 def tolerance(name: str, dtype, kda: bool) -> float:
-    if "conv" in name:
+    if name in ("conv_y", "dconv_x"):
         return CONV_TOL
     hopper = torch.cuda.get_device_capability()[0] == 9
     if dtype == torch.float32 and not kda and hopper and name in ("dq", "dk", "dg"):
@@ -91,9 +91,12 @@ def test_fla_matches_reference(kda, dtype):
     assert all(e <= tolerance(n, dtype, kda) for n, e in errs.items()), errs
 
 
-def _errors(cp, single, plan, group):
+def _errors(cp, oracle, single, plan, group):
+    """CP against the oracle (the one-GPU fp32 run), except the conv: against the one-GPU run in its own
+    dtype, since CP runs the same conv kernel on the same tokens and only the halo can differ."""
     errs = {}
-    for n, a, b in zip(NAMES, cp, single):
+    for n, a, b, c in zip(NAMES, cp, oracle, single):
+        b = c if "conv" in n else b
         if n == "dconv_w":                   # each rank holds its tokens' share
             a = a.clone()
             dist.all_reduce(a, group=group)
@@ -105,52 +108,72 @@ def _errors(cp, single, plan, group):
     return dict(zip(errs, worst.tolist()))
 
 
-def _cp_vs_single(layout, dtype_names, out_dir):
+def _cp_vs_single(layouts, dtype_names, out_dir):
+    """Every layout, strategy, dtype and model against one GPU. bf16 is held to what bf16 itself
+    allows: both the CP run and the one-GPU run are measured against the one-GPU fp32 run, and CP may
+    not be more than 1.5x (+1e-3) as far off; the per-document and zigzag cuts move fla's chunk
+    boundaries, so CP and one GPU round differently and differ by bf16 noise (~1e-2 on slowly decaying
+    states). fp32 runs are held to TOL against the one-GPU fp32 run."""
     from megatron.core import parallel_state as ps
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
     lines = []
     models = os.environ.get("KCP_GPU_MODELS", "gdn,kda").split(",")
-    for dtype_name in dtype_names:
-        dtype = getattr(torch, dtype_name)
-        for kda in [m == "kda" for m in models]:
-            gen = torch.Generator().manual_seed(100 + W)
-            cu = long_memory_cu(gen, W)
-            xs = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=dtype, device="cuda")
-            do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", dtype)
-            conv = [torch.randn(1, cu[-1], 64, generator=gen).to("cuda", dtype),
-                    (torch.randn(64, KS, generator=gen) * 0.5).to("cuda", dtype),
-                    torch.randn(1, cu[-1], 64, generator=gen).to("cuda", dtype)]
-            single = _run(build_plan(cu, "contiguous", 1, 0, KS), None, xs, do, "relay", conv)
-            plan = build_plan(cu, layout, W, r, KS)
-            loc = shard(plan, *xs, do, conv[0], conv[2])
-            local_conv = [loc[6], conv[1], loc[7]]
-            tag = f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} nseq={len(cu) - 1:3d}"
-            for strategy in STRATEGIES:
-                errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv), single, plan, group)
-                lines.append(f"{tag} {strategy:6s} max_rel_err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()))
+    for kda in [m == "kda" for m in models]:
+        gen = torch.Generator().manual_seed(100 + W)
+        cu = long_memory_cu(gen, W)
+        xs32 = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.float32, device="cuda")
+        do32 = torch.randn(1, cu[-1], HV, V, generator=gen).cuda()
+        conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
+                  torch.randn(1, cu[-1], 64, generator=gen).cuda()]
+        one = build_plan(cu, "contiguous", 1, 0, KS)
+        oracle = _run(one, None, xs32, do32, "relay", conv32)
+        for dtype_name in dtype_names:
+            dtype = getattr(torch, dtype_name)
+            xs, do, conv = ([t.to(dtype) for t in ts] for ts in (xs32, [do32], conv32))
+            do = do[0]
+            single = _run(one, None, xs, do, "relay", conv) if dtype != torch.float32 else oracle
+            floor = {n: rel_err(a, b) for n, a, b in zip(NAMES, single, oracle)}
+
+            def allowed(n):
+                if dtype == torch.float32 or n in ("conv_y", "dconv_x"):
+                    return tolerance(n, dtype, kda)
+                return 1.5 * floor[n] + 1e-3
+            for layout in layouts:
+                plan = build_plan(cu, layout, W, r, KS)
+                loc = shard(plan, *xs, do, conv[0], conv[2])
+                local_conv = [loc[6], conv[1], loc[7]]
+                tag = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
+                       f"nseq={len(cu) - 1:3d}")
+                for strategy in STRATEGIES:
+                    errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv), oracle, single, plan,
+                                   group)
+                    lines.append(f"{tag} {strategy:6s} err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()) +
+                                 ("" if dtype == torch.float32 else "  one-GPU " + dtype_name + " err=" +
+                                  " ".join(f"{n}:{e:.1e}" for n, e in floor.items())))
+                    if r == 0:
+                        print(lines[-1], flush=True)
+                    assert all(e <= allowed(n) for n, e in errs.items()), lines[-1]
+                restore = _exchange_off()
+                try:
+                    off = _errors(_run(plan, group, loc[:5], loc[5], "relay", local_conv), oracle, single, plan, group)
+                finally:
+                    restore()
+                lines.append(f"{tag} off    err=" + " ".join(f"{n}:{e:.1e}" for n, e in off.items()))
                 if r == 0:
                     print(lines[-1], flush=True)
-                assert all(e <= tolerance(n, dtype, kda) for n, e in errs.items()), lines[-1]
-            restore = _exchange_off()
-            try:
-                off = _errors(_run(plan, group, loc[:5], loc[5], "relay", local_conv), single, plan, group)
-            finally:
-                restore()
-            lines.append(f"{tag} off    max_rel_err=" + " ".join(f"{n}:{e:.1e}" for n, e in off.items()))
-            if r == 0:
-                print(lines[-1], flush=True)
-            weak = {n: e for n, e in off.items() if n != "dconv_w" and not e >= 10 * tolerance(n, dtype, kda)}
-            assert not weak, f"{tag}: without the exchange these still match: {weak}"
+                weak = {n: e for n, e in off.items() if n != "dconv_w" and not e >= 10 * allowed(n)}
+                assert not weak, f"{tag}: without the exchange these still match: {weak}"
     if r == 0 and out_dir:
-        with open(os.path.join(out_dir, f"cp_gpu_W{W}_{layout}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"cp_gpu_W{W}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
 
 @needs_gpu
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_cp_matches_single_gpu(layout, world_size):
-    """Both strategies, bf16 and fp32, GDN and KDA, against one GPU; and the negative control."""
+def test_cp_matches_single_gpu(world_size):
+    """Every layout, both strategies, bf16 and fp32, GDN and KDA, against one GPU; and the negative
+    control. One set of ranks for all of them: compiling fla's kernels is most of a cold run."""
+    layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
     dtypes = os.environ.get("KCP_GPU_DTYPES", "bfloat16,float32").split(",")
-    spawn(_cp_vs_single, world_size, layout, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
+    spawn(_cp_vs_single, world_size, layouts, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
