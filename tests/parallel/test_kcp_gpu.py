@@ -32,12 +32,19 @@ TILELANG_FP32_TOL = 3e-3
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
-# The conv is the same kernel on the same inputs with or without CP: only its halo can differ, and
-# that only by a wrong exchange (its negative control then misses by about 2e-2: three tokens a piece)
+# The conv is the same kernel on the same inputs with or without CP: its output can differ only by a
+# wrong halo (the negative control then misses by about 2e-2: three tokens a piece). Its input gradient
+# on a piece's last tokens is two partial sums, the local one rounded by the kernel and the halo's from
+# the next rank, added after: in bf16 that is one more rounding on those tokens, 1.7e-3 to 2.1e-3 where
+# most pieces are a few tokens long (per-document zigzag; H200, 2026-11-23), so bf16 allows 4e-3 there
+# and only fp32 and the output carry the conv's negative control.
 CONV_TOL = 1e-3
+CONV_DX_BF16_TOL = 4e-3
 
 
 def tolerance(name: str, dtype, kda: bool) -> float:
+    if name == "dconv_x" and dtype == torch.bfloat16:
+        return CONV_DX_BF16_TOL
     if name in ("conv_y", "dconv_x"):
         return CONV_TOL
     hopper = torch.cuda.get_device_capability()[0] == 9
@@ -162,7 +169,8 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 lines.append(f"{tag} off    err=" + " ".join(f"{n}:{e:.1e}" for n, e in off.items()))
                 if r == 0:
                     print(lines[-1], flush=True)
-                weak = {n: e for n, e in off.items() if n != "dconv_w" and not e >= 10 * allowed(n)}
+                controlled = [n for n in NAMES if n != "dconv_w" and not (n == "dconv_x" and dtype == torch.bfloat16)]
+                weak = {n: off[n] for n in controlled if not off[n] >= 10 * allowed(n)}
                 assert not weak, f"{tag}: without the exchange these still match: {weak}"
     if r == 0 and out_dir:
         with open(os.path.join(out_dir, f"cp_gpu_W{W}.txt"), "w") as f:
