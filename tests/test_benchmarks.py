@@ -1,7 +1,7 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
 the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
---fit) and plot.py."""
+--fit), plot.py, and simulate.py (--smoke, and its event simulation on hand-made timelines)."""
 from __future__ import annotations
 
 import csv
@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import bench_ops, memory
 from benchmarks import exchange_model as xm
+from benchmarks import simulate as sim
 from benchmarks.table import COLUMNS
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -173,3 +174,54 @@ def test_memory_table():
         "KDA    1 -                         4497     1.000",
         "GDN    4 contiguous                 661     0.251",
         "KDA    4 zigzag                    1128     0.251"]
+
+
+def test_simulate_smoke_rows_and_bytes(tmp_path):
+    """simulate.py --smoke: a row per model, layout and strategy; the bytes each rank sends, by hand."""
+    path = tmp_path / "sim.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "simulate.py"), "--smoke", "--docs", "single", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["model"], r["layout"], r["strategy"]) for r in rows} == {
+        (m, lay, s) for m in ("GDN", "KDA") for lay in ("contiguous", "zigzag", "zigzag_per_doc") for s in ("relay", "gather")}
+    state, slot = H * K * K * 4, H * K * 2 * K * 4      # fp32 [H, K, V] state; [H, K, V + K] gather slot (T=256 smoke)
+    for r in rows:
+        assert r["note"] == "", r
+        assert 0 < float(r["pred_fwd_ms"]) < float(r["pred_ms"]) and float(r["eff"]) > 0, r
+        assert float(r["busy_ms"]) + float(r["idle_ms"]) == pytest.approx(float(r["pred_ms"])), r
+        # relay: one state forward and one gradient back per rank edge of the sequence; gather: one slot
+        # per direction, sent to the W - 1 = 1 other rank
+        edges = 1 if r["layout"] == "contiguous" else 2
+        want = edges * state if r["strategy"] == "relay" else 2 * slot
+        assert r["sent_bytes"] == f"{want}/{want}", r
+
+
+MS = 1e-3
+
+
+def test_simulate_p2p_by_hand():
+    """Rank 1 waits for what rank 0 sends after 1 ms of compute: it resumes at 1 ms + alpha."""
+    ends, phase = sim.simulate([[("compute", MS), ("send", 1, 4096)], [("wait", 0), ("phase",), ("compute", 2 * MS)]],
+                               alpha=0.5 * MS, bw=math.inf)
+    assert ends == pytest.approx([MS, 3.5 * MS]) and phase == [None, pytest.approx(1.5 * MS)]
+    # messages of a pair arrive in send order, each after alpha + bytes / bw; a late wait does not stall
+    ends, _ = sim.simulate([[("compute", MS), ("send", 1, 0), ("compute", MS), ("send", 1, 1000)],
+                            [("wait", 0), ("compute", 0.1 * MS), ("wait", 0), ("compute", 5 * MS), ("wait", 2)],
+                            [("send", 1, 0)]], alpha=0.5 * MS, bw=1e6)
+    assert ends == pytest.approx([2 * MS, (2 + 0.5 + 1 + 5) * MS, 0])
+
+
+def test_simulate_allgather_by_hand():
+    """Every rank leaves the k-th all-gather at the last arrival + (W - 1)(alpha + bytes / bw)."""
+    tls = [[("compute", (r + 1) * MS), ("allgather", 1000), ("compute", r * MS), ("allgather", 0)] for r in range(3)]
+    ends, _ = sim.simulate(tls, alpha=0.5 * MS, bw=1e6)
+    assert ends == pytest.approx([(3 + 2 * 1.5 + 2 + 2 * 0.5) * MS] * 3)
+
+
+def test_simulate_deadlock_raises():
+    with pytest.raises(RuntimeError, match="deadlock.*rank 0 at \\('wait', 1\\)"):
+        sim.simulate([[("wait", 1), ("send", 1, 8)], [("wait", 0), ("send", 0, 8)]], alpha=MS, bw=1e9)
+    with pytest.raises(RuntimeError, match="deadlock"):         # an all-gather that one rank never joins
+        sim.simulate([[("allgather", 8)], [("compute", MS)]], alpha=MS, bw=1e9)

@@ -1,0 +1,260 @@
+"""Predicted CP step time of KCP on W GPUs from one GPU: each rank's local work timed alone, a modelled link.
+
+    python benchmarks/simulate.py --models GDN KDA --tokens 32768 --heads 64 --docs single varlen varlen100 \\
+        --cp 2 4 --layouts contiguous zigzag zigzag_per_doc --strategies relay gather --csv sim.csv
+    python benchmarks/simulate.py --smoke          # CPU, reference core, tiny sizes: checks the script
+
+With one GPU, a CP=W step cannot be timed, but each rank's part of it can. For every rank in turn its
+KCP forward+backward (``kcp.gated_delta_rule`` on its shard, the fla core on CUDA) runs with the
+exchange stubbed: relay's ``P2P`` and gather's ``all_gather`` move nothing (a receive leaves zeros, an
+all-gather returns W copies of the local buffer: the kernels cost the same whatever the states hold)
+and mark the rank's timeline in stream order: ('send', peer, bytes), ('wait', peer), ('allgather',
+bytes), and ('phase',) between forward and backward. The compute between marks is timed with CUDA
+events (CPU: perf_counter), median over --iters after --warmup calls (fla autotunes in the warm-up).
+
+``simulate`` replays all ranks' timelines side by side over a link of latency alpha and bandwidth bw
+(defaults: the fit to this project's 2 x H200 NVLink all-gathers, BENCHMARKS.md): a send delivers at
+t + alpha + bytes/bw and does not stall the sender; a wait stalls until the peer's next message has
+arrived; an all-gather (ring) releases every rank at the last arrival + (W-1)(alpha + bytes/bw). The
+prediction is the slowest rank's clock at the 'phase' mark (fwd) and at the end (fwd+bwd); eff =
+t_noCP / (W t_pred), noCP being the same op at W=1 on the same device. Busy: a rank's compute; idle:
+its time blocked (its end clock minus busy). Sent: bytes a rank puts on the link (ring all-gather:
+W-1 times its buffer).
+
+Left out: transfers taking SMs and memory bandwidth from the kernels, contention between pairs of
+ranks, and host time that a real wait would hide (while a stream waits its host launches ahead; here
+host-bound gaps count as compute).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import statistics
+import sys
+import time
+import types
+from collections import defaultdict, deque
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import CONV, DOCS, cu_seqlens, fresh_leaves, problem  # noqa: E402
+from megatron_kcp.parallel import gather, relay  # noqa: E402
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
+
+COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "noCP_fwd_ms", "noCP_ms", "pred_fwd_ms",
+           "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")
+NO_GROUP = object()            # the CP group KCP is given: only the stubs would use it, and they ignore it
+
+
+class Recorder:
+    """One rank's exchange, stubbed: nothing moves, every exchange point is a time stamp in stream order."""
+
+    def __init__(self, W: int, cuda: bool):
+        self.W, self.cuda, self.points, self.stamps = W, cuda, [], []
+
+    def mark(self, *point):
+        if self.cuda:
+            self.stamps.append(torch.cuda.Event(enable_timing=True))
+            self.stamps[-1].record()
+        else:
+            self.stamps.append(time.perf_counter())
+        self.points.append(point)
+
+    def seconds(self) -> list[float]:
+        """Time between consecutive marks (synchronises on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+    def p2p(self, group):
+        """Stands in for ``relay.P2P(group)``."""
+        def send(sends):
+            for peer, t in sends.items():
+                self.mark("send", peer, t.nbytes)
+
+        def recv(recvs):
+            def wait():
+                for peer, t in recvs.items():
+                    self.mark("wait", peer)
+                    t.zero_()
+            return types.SimpleNamespace(wait=wait)
+        return types.SimpleNamespace(send=send, recv=recv, finish=lambda: None)
+
+    def all_gather(self, x, group):
+        """Stands in for ``gather.all_gather``: ``[W, *x.shape]``, every rank's part a copy of ``x``."""
+        self.mark("allgather", x.nbytes)
+        return x.unsqueeze(0).expand(self.W, *x.shape).contiguous()
+
+
+def rank_timeline(plan, xs, do, strategy: str, args) -> list[tuple]:
+    """One rank's KCP fwd+bwd as a timeline: ('compute', seconds) between its exchange points."""
+    from megatron_kcp.ops import kcp
+    idx = local_token_index(plan).to(do.device)
+    leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
+    backend = "fla" if do.is_cuda else "reference"
+    runs = []
+    for i in range(args.warmup + args.iters):
+        rec = Recorder(plan.world_size, do.is_cuda)
+        with mock.patch.object(relay, "P2P", rec.p2p), mock.patch.object(gather, "all_gather", rec.all_gather):
+            rec.mark("start")
+            o = kcp.gated_delta_rule(*leaves, plan, NO_GROUP, use_qk_l2norm=True, backend=backend, strategy=strategy)
+            rec.mark("phase")
+            torch.autograd.grad(o, leaves, dl)
+            rec.mark("end")
+        runs.append((rec.points, rec.seconds()))
+    points, runs = runs[-1][0], runs[args.warmup:]
+    if any(p != points for p, _ in runs):
+        raise RuntimeError("the exchange points changed between iterations: the step is not deterministic")
+    timeline = []
+    for j, p in enumerate(points[1:]):
+        timeline += [("compute", statistics.median(s[j] for _, s in runs))] + ([p] if p != ("end",) else [])
+    return timeline
+
+
+def simulate(timelines, alpha: float, bw: float):
+    """(each rank's clock at its end, at its 'phase' mark or None) with the ranks running side by side.
+    Raises if every unfinished rank is blocked: such timelines cannot come from one step."""
+    W = len(timelines)
+    clock, pos, phase, ngather = [0.0] * W, [0] * W, [None] * W, [0] * W
+    inbox = defaultdict(deque)                   # (src, dst) -> arrival times, in send order
+    gathers = defaultdict(dict)                  # k-th all-gather -> {rank: (arrival, bytes)}
+    while any(p < len(tl) for p, tl in zip(pos, timelines)):
+        moved = False
+        for r, tl in enumerate(timelines):
+            while pos[r] < len(tl):
+                kind, *a = tl[pos[r]]
+                if kind == "compute":
+                    clock[r] += a[0]
+                elif kind == "send":
+                    inbox[r, a[0]].append(clock[r] + alpha + a[1] / bw)
+                elif kind == "wait":
+                    if not inbox[a[0], r]:
+                        break
+                    clock[r] = max(clock[r], inbox[a[0], r].popleft())
+                elif kind == "allgather":
+                    g = gathers[ngather[r]]
+                    g[r] = (clock[r], a[0])
+                    if len(g) < W:
+                        break
+                    clock[r] = max(t for t, _ in g.values()) + (W - 1) * (alpha + max(n for _, n in g.values()) / bw)
+                    ngather[r] += 1
+                elif kind == "phase":
+                    phase[r] = clock[r]
+                else:
+                    raise ValueError(f"unknown timeline point {kind!r}")
+                pos[r] += 1
+                moved = True
+        if not moved:
+            states = "; ".join(f"rank {r} at {tl[pos[r]] if pos[r] < len(tl) else 'its end'}, "
+                               f"t={clock[r] * 1e3:.3f} ms" for r, tl in enumerate(timelines))
+            raise RuntimeError(f"deadlock: every unfinished rank is blocked ({states})")
+    return clock, phase
+
+
+def case(cu, W, layout, strategy, xs, do, nocp, args) -> dict:
+    """One row's numbers: every rank's timeline, simulated together; ``nocp`` = (fwd, fwd+bwd) seconds at W=1."""
+    alpha, bw = args.alpha_us * 1e-6, args.bw_gbs * 1e9
+    tls = [rank_timeline(build_plan(cu, layout, W, r, CONV), xs, do, strategy, args) for r in range(W)]
+    ends, fwd = simulate(tls, alpha, bw)
+    slow = max(range(W), key=ends.__getitem__)
+    busy = sum(x[1] for x in tls[slow] if x[0] == "compute")
+    sent = [sum(x[2] for x in tl if x[0] == "send") + (W - 1) * sum(x[1] for x in tl if x[0] == "allgather")
+            for tl in tls]
+    return dict(noCP_fwd_ms=nocp[0] * 1e3, noCP_ms=nocp[1] * 1e3, pred_fwd_ms=max(fwd) * 1e3,
+                pred_ms=ends[slow] * 1e3, eff_fwd=nocp[0] / (W * max(fwd)), eff=nocp[1] / (W * ends[slow]),
+                slow_rank=slow, busy_ms=busy * 1e3, idle_ms=(ends[slow] - busy) * 1e3,
+                sent_bytes="/".join(map(str, sent)))
+
+
+def show(r) -> str:
+    """One printed row (the header's columns); a failed case shows its note."""
+    head = (f"{r['model']:5s} {r['tokens']:7d} {r['docs']:9s} {r['heads']:4d} {r['W']:3d} {r['layout']:14s} "
+            f"{r['strategy']:8s}")
+    if r.get("note"):
+        return f"{head} {r['note']}"
+    mib = "/".join(f"{int(b) / 2**20:.2f}" for b in r["sent_bytes"].split("/"))
+    ms = " ".join(f"{r[c]:9.3f}" for c in ("noCP_fwd_ms", "noCP_ms", "pred_fwd_ms", "pred_ms"))
+    return f"{head} {ms} {r['eff_fwd']:7.3f} {r['eff']:6.3f} {r['busy_ms']:9.3f}/{r['idle_ms']:<9.3f} {mib}"
+
+
+HEADER = (f"{'model':5s} {'tokens':>7s} {'docs':9s} {'H':>4s} {'W':>3s} {'layout':14s} {'strategy':8s} "
+          f"{'noCP_fwd':>9s} {'noCP':>9s} {'pred_fwd':>9s} {'pred':>9s} {'eff_fwd':>7s} {'eff':>6s} "
+          "busy/idle(slowest)  MiB sent per rank")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--models", nargs="+", choices=["GDN", "KDA"], default=["GDN", "KDA"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768])
+    p.add_argument("--heads", type=int, nargs="+", default=[64])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--docs", nargs="+", choices=list(DOCS), default=list(DOCS))
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="CP sizes W to predict (any, on one device)")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    p.add_argument("--strategies", nargs="+", choices=["relay", "gather"], default=["relay", "gather"])
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
+    p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
+    args = p.parse_args(argv)
+    if args.smoke:                                    # tiny sizes where not given; 100 documents need more tokens
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        tiny = {"--tokens": [256], "--heads": [2], "--head-dim": 16, "--dtype": "float32", "--cp": [2],
+                "--warmup": 0, "--iters": 1, "--docs": ["single", "varlen"]}
+        for flag, value in tiny.items():
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
+    os.environ.setdefault("FLA_FLASH_QLA", "0")       # fla would send GDN to flash-qla; our core runs fla's Triton
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    print(f"{'CPU smoke (reference core)' if args.smoke else torch.cuda.get_device_name()}; link alpha="
+          f"{args.alpha_us:g} us, bw={args.bw_gbs:g} GB/s; ms, medians of {args.iters} after {args.warmup} warm-up"
+          f"\n{HEADER}", flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            csv.DictWriter(f, COLUMNS).writeheader()
+    return run(args, dev)
+
+
+def run(args, dev) -> list[dict]:
+    """Every case of the command line, in its order; rows are printed and appended to --csv as they finish."""
+    rows = []
+    for model, T, H in itertools.product(args.models, args.tokens, args.heads):
+        xs, do = problem(model, T, H, args.head_dim, getattr(torch, args.dtype), dev, seed=T + H)
+        nocp = {}                                      # (fwd, fwd+bwd) seconds at W=1, per cu_seqlens
+        for docs, W, layout, strategy in itertools.product(args.docs, args.cp, args.layouts, args.strategies):
+            row = dict(model=model, tokens=T, docs=docs, heads=H, W=W, layout=layout, strategy=strategy)
+            try:
+                cu = cu_seqlens(docs, T, pad=2 * W)
+                if cu not in nocp:
+                    tl = rank_timeline(build_plan(cu, "contiguous", 1, 0, CONV), xs, do, "relay", args)
+                    (end,), (fwd,) = simulate([tl], 0.0, 1.0)
+                    nocp[cu] = fwd, end
+                row.update(case(cu, W, layout, strategy, xs, do, nocp[cu], args))
+            except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
+                row["note"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            print(show(row), flush=True)
+            rows.append(row)
+            if args.csv:
+                with open(args.csv, "a", newline="") as f:
+                    csv.DictWriter(f, COLUMNS).writerow(row)
+        del xs, do
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+if __name__ == "__main__":
+    main()
