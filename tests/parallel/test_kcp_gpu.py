@@ -3,10 +3,9 @@
 CP ranks use NCCL with a GPU each when there are enough GPUs, else gloo with ranks sharing them
 (tests/distributed.py). The CP cases run the long-memory batch of the CPU tests at GPU head sizes
 (slow decay, keys that do not span K, over 50 documents per rank, pieces shorter than a chunk and
-than the conv halo) for both strategies, in bf16 and fp32, and the same comparison with the
-exchange switched off, which must miss by at least 10x the tolerance. fp32 runs fla's fp32
-products as 3xTF32 (``TRITON_F32_DEFAULT=tf32x3``); with fla's default TF32 the same comparison
-gives ~2e-3 (docs/gpu_runs.md).
+than the conv halo) for both strategies, in bf16 and fp32, against the fp64 reference, and the same
+comparison with the exchange switched off, which must miss by at least 10x the tolerance. fp32
+runs fla's fp32 products as 3xTF32 (``TRITON_F32_DEFAULT=tf32x3``) where fla lets it.
 """
 from __future__ import annotations
 
@@ -62,16 +61,16 @@ def _precision(monkeypatch):
         enable()
 
 
-def _conv(plan, group, x, w, dy):
+def _conv(plan, group, x, w, dy, backend):
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    y = kcp.causal_conv1d(x, w, None, "silu", plan=plan, group=group, backend="fla")
+    y = kcp.causal_conv1d(x, w, None, "silu", plan=plan, group=group, backend=backend)
     return [y, *torch.autograd.grad(y, [x, w], dy)]
 
 
-def _run(plan, group, xs, do, strategy, conv):
+def _run(plan, group, xs, do, strategy, conv, backend="fla"):
     xs = [x.detach().clone().requires_grad_() for x in xs]
-    o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend="fla", strategy=strategy)
-    return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv)]
+    o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, strategy=strategy)
+    return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, backend)]
 
 
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "conv_y", "dconv_x", "dconv_w"]
@@ -99,8 +98,8 @@ def test_fla_matches_reference(kda, dtype):
 
 
 def _errors(cp, oracle, single, plan, group):
-    """CP against the oracle (the one-GPU fp32 run), except the conv: against the one-GPU run in its own
-    dtype, since CP runs the same conv kernel on the same tokens and only the halo can differ."""
+    """CP against the oracle (the fp64 reference on one GPU), except the conv: against the one-GPU run in
+    its own dtype, since CP runs the same conv kernel on the same tokens and only the halo can differ."""
     errs = {}
     for n, a, b, c in zip(NAMES, cp, oracle, single):
         b = c if "conv" in n else b
@@ -116,11 +115,12 @@ def _errors(cp, oracle, single, plan, group):
 
 
 def _cp_vs_single(layouts, dtype_names, out_dir):
-    """Every layout, strategy, dtype and model against one GPU. bf16 is held to what bf16 itself
-    allows: both the CP run and the one-GPU run are measured against the one-GPU fp32 run, and CP may
-    not be more than 1.5x (+1e-3) as far off; the per-document and zigzag cuts move fla's chunk
-    boundaries, so CP and one GPU round differently and differ by bf16 noise (~1e-2 on slowly decaying
-    states). fp32 runs are held to TOL against the one-GPU fp32 run."""
+    """Every layout, strategy, dtype and model against the fp64 reference on one GPU. A CP run may be
+    as far from it as fla's one-GPU run in the same dtype, with 1.5x (+ a floor) for rounding: the
+    zigzag and per-document cuts move fla's chunk boundaries, and fla's products are TF32 in places
+    (its triangular solve always, gated GDN's backward on Hopper), so CP and one GPU round differently:
+    on these slowly decaying states that is ~1e-2 in bf16 and ~2e-3 in fp32 (H200, 2026-11-23). The
+    conv is compared with the one-GPU conv in its own dtype (the same kernel on the same tokens)."""
     from megatron.core import parallel_state as ps
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
@@ -134,18 +134,17 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
         conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
                   torch.randn(1, cu[-1], 64, generator=gen).cuda()]
         one = build_plan(cu, "contiguous", 1, 0, KS)
-        oracle = _run(one, None, xs32, do32, "relay", conv32)
+        oracle = _run(one, None, xs32, do32, "relay", conv32, backend="reference")
         for dtype_name in dtype_names:
             dtype = getattr(torch, dtype_name)
-            xs, do, conv = ([t.to(dtype) for t in ts] for ts in (xs32, [do32], conv32))
-            do = do[0]
-            single = _run(one, None, xs, do, "relay", conv) if dtype != torch.float32 else oracle
+            xs, do, conv = [t.to(dtype) for t in xs32], do32.to(dtype), [t.to(dtype) for t in conv32]
+            single = _run(one, None, xs, do, "relay", conv)
             floor = {n: rel_err(a, b) for n, a, b in zip(NAMES, single, oracle)}
 
             def allowed(n):
-                if dtype == torch.float32 or n in ("conv_y", "dconv_x"):
+                if n in ("conv_y", "dconv_x"):
                     return tolerance(n, dtype, kda)
-                return 1.5 * floor[n] + 1e-3
+                return 1.5 * floor[n] + (1e-3 if dtype == torch.bfloat16 else 1e-4)
             for layout in layouts:
                 plan = build_plan(cu, layout, W, r, KS)
                 loc = shard(plan, *xs, do, conv[0], conv[2])
@@ -156,8 +155,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                     errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv), oracle, single, plan,
                                    group)
                     lines.append(f"{tag} {strategy:6s} err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()) +
-                                 ("" if dtype == torch.float32 else "  one-GPU " + dtype_name + " err=" +
-                                  " ".join(f"{n}:{e:.1e}" for n, e in floor.items())))
+                                 "  one-GPU err=" + " ".join(f"{n}:{e:.1e}" for n, e in floor.items()))
                     if r == 0:
                         print(lines[-1], flush=True)
                     assert all(e <= allowed(n) for n, e in errs.items()), lines[-1]

@@ -25,13 +25,38 @@ def test_every_token_held_once():
 
 
 def test_chains_single_sequence_zigzag():
-    # one sequence over 2 ranks, zigzag: chunk order 0 (r0), 1 (r1), 2 (r1), 3 (r0)
+    # one sequence over 2 ranks, zigzag: chunk order 0 (r0), 1 (r1), 2 (r1), 3 (r0); rank 1's two
+    # chunks are neighbours in the stream, so they run as one segment and exchange nothing between them
     p0, p1 = (build_plan((0, 8), "zigzag", 2, r) for r in range(2))
     assert p0.cu_seqlens == (0, 2, 4) and p0.seg_seq == (0, 0)
-    assert [c.sources for c in p0.recv_fwd] == [((0, 0), (1, 0), (1, 1))]   # back piece folds r0, r1, r1
-    # backward folds from the sequence end: chunk 1 <- chunks 3 (r0), 2 (r1); chunk 2 <- chunk 3
-    assert [c.sources for c in p1.recv_bwd] == [((0, 0), (1, 1)), ((0, 0),)]
-    assert [c.segment for c in p0.recv_bwd] == [0] and p0.recv_fwd[0].segment == 1
+    assert p1.cu_seqlens == (0, 4) and p1.seg_seq == (0,)
+    # the relay's path: r0 chunk 0 -> r1 chunks 1-2 -> r0 chunk 3, and back
+    assert p0.pred == (None, (1, 0)) and p0.succ == ((1, 0), None) and p0.stage == (0, 2)
+    assert p1.pred == ((0, 0),) and p1.succ == ((0, 1),) and p1.stage == (1,)
+    # the all-gather's folds: chunk 3 folds r0's chunk 0 then r1's chunks 1-2; backward, chunk 0 folds
+    # chunk 3 (r0) then chunks 1-2 (r1)
+    assert [(c.segment, c.sources) for c in p0.recv_fwd] == [(1, ((0, 0), (1, 0)))]
+    assert [(c.segment, c.sources) for c in p0.recv_bwd] == [(0, ((0, 0), (1, 0)))]
+    assert [c.sources for c in p1.recv_fwd] == [((0, 0),)] and [c.sources for c in p1.recv_bwd] == [((0, 0),)]
+
+
+def test_relay_phases():
+    from megatron_kcp.parallel.relay import phases
+    # zigzag: the two pieces of rank 0 are disjoint ranges, each a phase of its own
+    p0 = build_plan((0, 8), "zigzag", 2, 0)
+    steps, covering = phases(p0, backward=False)
+    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (0,), 0, 1), ((1,), (), 1, 2)]
+    steps, covering = phases(p0, backward=True)
+    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (1,), 1, 2), ((0,), (), 0, 1)]
+    # per-document zigzag interleaves [front, back] per document: early phases send only, the last runs all
+    p0 = build_plan((0, 8, 16), "zigzag_per_doc", 2, 0)
+    steps, covering = phases(p0, backward=False)
+    assert covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (0, 2), 0, 3), ((1, 3), (), 0, 4)]
+    # a whole local document joins the phase whose range follows it: rank 0 holds [0, 3) and [9, 12),
+    # segments [0, 2) (its own document), [2, 3) (on to rank 1) and [9, 12) (from rank 1)
+    p0 = build_plan((0, 2, 6, 8, 12), "zigzag", 2, 0)
+    steps, covering = phases(p0, backward=False)
+    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (1,), 0, 2), ((2,), (), 2, 3)]
 
 
 def test_rank_counts():
