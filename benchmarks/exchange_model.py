@@ -178,7 +178,8 @@ def check(paths: list[str], nvlink: Link):
             b_in, b_out = cp2hp_bytes(r["model"], K, K, dtype_bytes)
             model_bytes = passes * (W - 1) * (T // W) * H * (b_in + b_out) // W
         else:
-            slots = 2 if r["layout"] == "zigzag" else 1
+            # zigzag: a front and a back slot, but at W=2 rank 1's two chunks are one segment
+            slots = 2 if r["layout"] == "zigzag" and W > 2 else 1
             model_bytes = passes * (W - 1) * slots * state_bytes(H, K, K)
         meas_bytes = _f(r["xchg_bytes"])
         model_ms = (calls * (W - 1) * nvlink.alpha + meas_bytes / nvlink.bw) * 1e3

@@ -1,21 +1,42 @@
 """Layer level: KCPGatedDeltaNet and megatron-core's GatedDeltaNet (CP=1 and CP=W, cp2hp), and the
-KDA mixer, with the same config and weights; one sequence, fwd+bwd, Megatron's local layers."""
+KDA mixer, with the same config and weights, fwd+bwd, Megatron's local layers; per --docs: one
+sequence ([s, b] batch, zigzag over CP), or a THD batch of packed documents (PackedSeqParams,
+documents padded to multiples of 2W, Megatron's per-document zigzag over CP)."""
 from __future__ import annotations
 
 import torch
 
-from benchmarks.common import rel_err
+from benchmarks.common import cu_seqlens, rel_err
 from benchmarks.table import Table
 from benchmarks.timing import Bench
 
 
-def layers_case(b: Bench, model, T, H, table, solo):
+def _packed(docs, T, W):
+    """(PackedSeqParams of the THD batch, or None for one sequence; local rows of rank r)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from tests.layers.harness import zigzag_rows
+    if docs == "single":
+        return None, lambda t, cp, r: t if cp == 1 else zigzag_rows(t, cp, r)
+    cu = cu_seqlens(docs, T, pad=2 * W)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cu_t,
+                             cu_seqlens_kv_padded=cu_t, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def rows(t, cp, r):
+        return t if cp == 1 else t[local_token_index(build_plan(cu, "zigzag_per_doc", cp, r)).to(t.device)]
+    return params, rows
+
+
+def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     """The mixers at CP=1 and CP=W with the same weights, fwd+bwd."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     from megatron_kcp.layers.gdn import KCPGatedDeltaNet
-    from tests.layers.harness import Shape, build, config, zigzag_rows
+    from tests.layers.harness import Shape, build, config
     args, W, rank, dev = b.args, b.W, b.rank, b.device
     shape = Shape(hidden=args.hidden, heads=(H, H), head_dim=args.head_dim, seq=T, batch=1, device=dev.type)
     kw = dict(bf16=True, params_dtype=torch.bfloat16) if b.dtype == torch.bfloat16 else {}
@@ -30,27 +51,34 @@ def layers_case(b: Bench, model, T, H, table, solo):
         variants = [("megatron", 1, GatedDeltaNet), ("noCP", 1, KCPGatedDeltaNet),
                     ("cp2hp", W, GatedDeltaNet), ("kcp", W, KCPGatedDeltaNet)]
     state, y_ref, dx_ref = None, None, None
+    packed, rows_of = _packed(docs, T, W)
     for method, cp, cls in variants:
-        meta = dict(level="layers", model=model, tokens=T, docs="single", heads=H, method=method,
-                    layout="zigzag" if cp > 1 else "-", W=cp)
+        meta = dict(level="layers", model=model, tokens=T, docs=docs, heads=H, method=method,
+                    layout=("zigzag" if packed is None else "zigzag_per_doc") if cp > 1 else "-", W=cp)
+        if cls is GatedDeltaNet and packed is not None and not b.cuda:
+            table.add(dict(meta, **{"pass": "fwd+bwd"}, note="n/a on the CPU: megatron-core's GatedDeltaNet "
+                           "runs packed sequences with fla's kernels only"))
+            continue
         try:
             mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls).to(b.dtype)
             if state is None:
                 state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mod.state_dict().items()}
             mod.load_state_dict(state)
-            local = (lambda t: t) if cp == 1 else (lambda t: zigzag_rows(t, W, rank))
+            def local(t, cp=cp):
+                return rows_of(t, cp, rank)
             leaf, dyl = local(x).clone().requires_grad_(), local(dy).contiguous()
 
             def step():
                 for p in [leaf, *mod.parameters()]:
                     p.grad = None
-                y, _ = mod(leaf, None)
+                y, _ = mod(leaf, None, packed_seq_params=packed)
                 y.backward(dyl)
                 return y
             y = step().detach()                  # first call: output and input gradient against CP=1's
             if y_ref is None:
                 y_ref, dx_ref = y, leaf.grad.clone()
-            err = b.max_over_ranks([max(rel_err(y, local(y_ref)), rel_err(leaf.grad, local(dx_ref)))])[0]
+            err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
+                                        rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
             rows = b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why
             rows = b.failed(meta, ["fwd+bwd"], e)
@@ -76,7 +104,8 @@ def run_layers(b: Bench, table: Table):
     solo = solo_pg()
     for T in args.tokens:
         for model in args.models:
-            if b.out_of_time():
-                table.skipped(level="layers", model=model, tokens=T, docs="single", heads=args.heads[0], W=W)
-                continue
-            layers_case(b, model, T, args.heads[0], table, solo)
+            for docs in args.docs:
+                if b.out_of_time():
+                    table.skipped(level="layers", model=model, tokens=T, docs=docs, heads=args.heads[0], W=W)
+                    continue
+                layers_case(b, model, T, args.heads[0], table, solo, docs)
