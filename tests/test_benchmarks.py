@@ -129,7 +129,7 @@ def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
         w.writeheader()
         for calls, mib in ((1, 2), (2, 8), (2, 257.5), (4, 1030)):
             ms = (calls * 50e-6 + mib * 2**20 / 300e9) * 1e3
-            w.writerow(dict(level="ops", model="GDN", method="kcp", layout="zigzag", W=2, heads=16, tokens=32768,
+            w.writerow(dict(level="ops", model="GDN", method="kcp-gather", layout="zigzag", W=2, heads=16, tokens=32768,
                             docs="single", head_dim=128, dtype="bfloat16", xchg_calls=calls, xchg_bytes=mib * 2**20,
                             exchange_ms=ms, **{"pass": "fwd"}))
     link = xm.fit_link(xm.measured_rows([str(path)]))
@@ -137,7 +137,7 @@ def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
     xm.main(["--check", str(path), "--fit"])
     out = capsys.readouterr().out
     assert "alpha=50 us, bw=300 GB/s" in out and "KCP exchange vs cp2hp" in out
-    assert all(float(ln.split()[-1]) == pytest.approx(1.0) for ln in out.splitlines() if " kcp " in ln)
+    assert all(float(ln.split()[-1]) == pytest.approx(1.0) for ln in out.splitlines() if " kcp-gather " in ln)
 
 
 def test_profile_prints_the_kernel_tables():
