@@ -122,8 +122,7 @@ class GDNCore(_Core):
 
     def state(self, P, lo, hi, h0):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        q, k, v, g, beta, _, _, A = P.saved
-        (k, w, u, g), kw = self.cut(P, lo, hi, k, *P.fwd, g)
+        (k, w, u, g), kw = self.cut(P, lo, hi, P.saved[1], *P.fwd, P.saved[3])
         h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
                                                     **kw)
         return (h, v_new), ht

@@ -62,14 +62,10 @@ class KCPFunction(torch.autograd.Function):
         starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
         if init is not None:
             h0[starts] = init.float()[[plan.seg_seq[i] for i in starts]]
-        M = None
-        if isinstance(strategy, AllGather):
-            o, M = strategy.forward(core, P, plan, group, h0)
-        else:
-            o = strategy.forward(core, P, plan, group, h0)
+        o, extra = strategy.forward(core, P, plan, group, h0)
         # keep the initial states that are not zero: received ones, and the user's
         kept = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
-        ctx.save_for_backward(*P.tensors(), h0[kept], M)
+        ctx.save_for_backward(*P.tensors(), h0[kept], extra)
         ctx.kept, ctx.starts, ctx.has_init = kept, starts, init is not None
         ctx.dtypes = [x.dtype for x in (q, k, v, g, beta)]
         ctx.plan, ctx.group, ctx.scale, ctx.l2, ctx.core, ctx.strategy = plan, group, scale, l2, core, strategy
@@ -77,16 +73,13 @@ class KCPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        *saved, h0_kept, M = ctx.saved_tensors
+        *saved, h0_kept, extra = ctx.saved_tensors
         plan, core = ctx.plan, ctx.core
         P = core.restore(saved, plan, ctx.scale, ctx.l2)
         h0 = h0_kept.new_zeros(plan.num_segments, *h0_kept.shape[1:])
         h0[ctx.kept] = h0_kept
         do = do.contiguous()
-        if isinstance(ctx.strategy, AllGather):
-            grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do, M)
-        else:
-            grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do)
+        grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do, extra)
         dq, dk, dv, dg, db = (d.to(t) for d, t in zip(core.finish(P, grads), ctx.dtypes))
         dinit = None
         if ctx.has_init:

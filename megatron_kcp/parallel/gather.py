@@ -49,7 +49,8 @@ class AllGather:
     name = "gather"
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
-        """(output, transitions of the segments that export in both directions, for the backward)."""
+        """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
+        the backward's export); fills ``h0`` with the folded states."""
         n = plan.num_segments
         if not plan.is_local:
             HV, K, V = h0.shape[1:]

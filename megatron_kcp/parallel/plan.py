@@ -2,9 +2,10 @@
 
 A layout hands every rank a list of *pieces*: intervals ``[start, end)`` of the global token
 stream, concatenated in local order. Everything else follows from the pieces and the global
-``cu_seqlens``: the local segments (sequences cut at piece edges), which local segments continue
-a sequence from an earlier piece (they need a folded initial state and conv halo tokens), and
-which continue into a later piece (they export their affine state map ``[H | M]``).
+``cu_seqlens``: the local segments (sequences cut at piece edges, except between two local pieces
+that are neighbours in the stream), each segment's neighbours along its sequence on other ranks
+(``pred``, ``succ``: where its initial state comes from and where its final state goes), the
+all-gather's fold chains, and the conv halo of every piece.
 
 Layouts (``megatron.core.utils.get_batch_on_this_cp_rank``):
 

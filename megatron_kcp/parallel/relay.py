@@ -78,18 +78,17 @@ def _by_peer(plan: KCPPlan, segs, links):
 
 
 def _receive(p2p: P2P, plan, segs, links, into: torch.Tensor):
-    """Post the receives of ``segs`` (from the ranks ``links`` names); ``wait()`` fills ``into``."""
+    """Post the receives of ``segs`` (from the ranks ``links`` names); calling the result waits for
+    them and fills their rows of ``into``."""
     groups = _by_peer(plan, segs, links)
     bufs = {peer: into.new_empty(len(s), *into.shape[1:]) for peer, s in groups.items()}
     pending = p2p.recv(bufs)
 
-    class Filled:
-        @staticmethod
-        def wait():
-            pending.wait()
-            for peer, s in groups.items():
-                into[list(s)] = bufs[peer]
-    return Filled
+    def arrived():
+        pending.wait()
+        for peer, s in groups.items():
+            into[list(s)] = bufs[peer]
+    return arrived
 
 
 def _send(p2p: P2P, plan, segs, links, rows: torch.Tensor, lo: int) -> None:
@@ -99,12 +98,13 @@ def _send(p2p: P2P, plan, segs, links, rows: torch.Tensor, lo: int) -> None:
 class Relay:
     name = "relay"
 
-    def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor) -> torch.Tensor:
-        """Output of the local stream; fills ``h0`` (every segment's initial state) as states arrive."""
+    def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
+        """(output of the local stream, nothing for the backward); fills ``h0`` (every segment's
+        initial state) as states arrive."""
         steps, covering = phases(plan, backward=False)
         p2p, outs = P2P(group), []
         for k, ph in enumerate(steps):
-            _receive(p2p, plan, ph.recv, plan.pred, h0).wait()
+            _receive(p2p, plan, ph.recv, plan.pred, h0)()
             if covering and k < len(steps) - 1:
                 if ph.send:
                     _, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
@@ -114,9 +114,9 @@ class Relay:
             _send(p2p, plan, ph.send, plan.succ, ht, ph.lo)
             outs.append((ph.lo, core.output(P, ph.lo, ph.hi, st)))
         p2p.finish()
-        return _assemble(outs)
+        return _assemble(outs), None
 
-    def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor):
+    def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, _=None):
         """(input gradients of the local stream, dh0 of every segment). Each phase prepares what does
         not need the incoming state gradient while that is on its way."""
         steps, covering = phases(plan, backward=True)
@@ -128,14 +128,14 @@ class Relay:
             if covering and k < len(steps) - 1:
                 if ph.send:
                     bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
-                    arriving.wait()
+                    arriving()
                     _, d = core.backward_state(P, bpre, dht[lo:hi])
                     _send(p2p, plan, ph.send, plan.pred, d, lo)
                 else:
-                    arriving.wait()
+                    arriving()
                 continue
             bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
-            arriving.wait()
+            arriving()
             bst, d = core.backward_state(P, bpre, dht[lo:hi])
             _send(p2p, plan, ph.send, plan.pred, d, lo)
             dh0[lo:hi] = d

@@ -108,9 +108,9 @@ class NoExchange:
 
     def forward(self, core, P, plan, group, h0):
         st, _ = core.state(P, 0, plan.num_segments, h0)
-        return core.output(P, 0, plan.num_segments, st)
+        return core.output(P, 0, plan.num_segments, st), None
 
-    def backward(self, core, P, plan, group, h0, do):
+    def backward(self, core, P, plan, group, h0, do, _):
         n = plan.num_segments
         bst, dh0 = core.backward_state(P, core.backward_prepare(P, 0, n, h0, do), torch.zeros_like(h0))
         return core.backward_rest(P, 0, n, bst), dh0
