@@ -72,3 +72,19 @@ def test_sequence_length_must_split_zigzag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         launch.main(["--dry-run", str(preset), "--nproc-per-node", "4", "--cp", "4"])
     assert "multiple of 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, r"preset .*nope\.json: no such file; give the path of a JSON preset, e\.g\. one of configs/\{.*tiny-gdn\.json"),
+    ('{"num_layers": 4,', r"preset .*bad\.json: not valid JSON \(.* at line 1, column \d+\): fix the file"),
+    ('[4, 256]', r"preset .*bad\.json: must be a JSON object"),
+    ('{"num_layers": 4, "hidden_size": 256}', r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
+    ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]"),
+])
+def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
+    path = tmp_path / ("nope.json" if text is None else "bad.json")
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:           # an argparse error, not a traceback
+        launch.main(["--dry-run", str(path)])
+    assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
