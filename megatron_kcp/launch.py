@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp.te import no_te_args
 
 MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
@@ -122,6 +123,8 @@ def build_command(a) -> list[str]:
     model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel)
     if a.fp32:
         model.remove("--bf16")
+    if a.megatron_lm:          # megatron_kcp.train adds these itself
+        model += no_te_args(a.extra)
     cmd = run + trainer + model + a.extra
     if "--global-batch-size" not in a.extra:          # one micro batch of 1 per data-parallel rank
         cmd += ["--global-batch-size", str(dp)]

@@ -21,14 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
-        return True
-    except ImportError:
-        return False
+from megatron_kcp.te import te_available
 
 
 def backend_provider():

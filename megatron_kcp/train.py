@@ -21,7 +21,8 @@ from functools import partial
 import torch
 
 from megatron_kcp.launch import check_split
-from megatron_kcp.spec import SPEC_NAMES, te_available
+from megatron_kcp.spec import SPEC_NAMES
+from megatron_kcp.te import no_te_args, te_available
 
 
 def add_kcp_args(parser):
@@ -80,11 +81,7 @@ def read_args(argv=None):
     without a tokenizer file (NullTokenizer) and without the dataloader's attention mask."""
     from megatron.training import arguments
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not te_available():       # Megatron's defaults assume TE's fused kernels
-        for flag, extra in (("--transformer-impl", ["local"]), ("--no-rope-fusion", []),
-                            ("--no-gradient-accumulation-fusion", []), ("--no-persist-layer-norm", [])):
-            if flag not in argv:
-                argv += [flag, *extra]
+    argv += no_te_args(argv)       # Megatron's defaults assume TE's fused kernels
     if "--tokenizer-type" not in argv:
         argv += ["--tokenizer-type", "NullTokenizer"]
     if "--no-create-attention-mask-in-dataloader" not in argv:     # s x s bytes per sample, read by no layer

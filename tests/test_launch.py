@@ -88,3 +88,18 @@ def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:           # an argparse error, not a traceback
         launch.main(["--dry-run", str(path)])
     assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("te", [False, True])
+def test_megatron_lm_command_without_te_turns_off_te_fusions(te, capsys, monkeypatch):
+    """pretrain_gpt.py stops at startup on Megatron's TE/apex fusion defaults when TE is missing; the
+    launcher adds the flags that turn them off then (megatron_kcp.train adds its own), and only then."""
+    from megatron_kcp import te as te_mod
+    monkeypatch.setattr(te_mod, "te_available", lambda: te)
+    flags = [x for flag in te_mod.NO_TE_ARGS for x in flag]
+    mlm = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM")
+    assert all(f in mlm for f in flags) != te and (te or mlm[mlm.index("--transformer-impl") + 1] == "local")
+    assert not set(flags) & set(_dry(capsys, str(CONFIGS / "tiny-gdn.json")))        # megatron_kcp.train
+    own = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM", "--",
+               "--transformer-impl", "transformer_engine")
+    assert own.count("--transformer-impl") == 1 and own[own.index("--transformer-impl") + 1] == "transformer_engine"
