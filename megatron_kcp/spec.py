@@ -74,10 +74,11 @@ def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
         out_proj=backend.row_parallel_linear()))
 
 
-def kda_mixer_spec(backend=None) -> ModuleSpec:
+def kda_mixer_spec(backend=None, **options) -> ModuleSpec:
+    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``) go to its constructor."""
     from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
     backend = backend or backend_provider()
-    return ModuleSpec(module=KCPKimiDeltaAttention, submodules=KDASubmodules(
+    return ModuleSpec(module=KCPKimiDeltaAttention, params=options, submodules=KDASubmodules(
         column_linear=backend.column_parallel_linear(), row_linear=backend.row_parallel_linear()))
 
 
@@ -112,6 +113,44 @@ def hybrid_layer_spec(linear: ModuleSpec, backend=None) -> ModuleSpec:
 def _bda():
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     return get_bias_dropout_add
+
+
+def kda_hybrid_layer_spec_with(**options) -> ModuleSpec:
+    """The KDA hybrid with KDA options (``kda_gate_rank``, ``kda_norm_eps``) carried by the spec, so that they
+    reach the mixer where the config has no KDA fields (Megatron-LM's pretrain_gpt.py). Bad options
+    raise ValueError here; the mixer checks them again against the TP size and the config."""
+    from megatron_kcp.layers.kda import kda_options
+    kda_options(None, **options)
+    return hybrid_layer_spec(kda_mixer_spec(**options))
+
+
+def spec_from_name(name: str) -> ModuleSpec:
+    """``NAME`` or ``NAME:option=value,...``, as ``--spec megatron_kcp <name>`` gives it, e.g.
+    ``kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-5``. ValueError naming the fix otherwise."""
+    from megatron_kcp.layers.kda import KDA_OPTIONS
+    base, _, text = name.partition(":")
+    if base not in SPEC_NAMES:
+        raise ValueError(f"--spec megatron_kcp {name}: unknown spec {base!r}; use one of {', '.join(SPEC_NAMES)}")
+    if not text:
+        return globals()[base]
+    if base != "kda_hybrid_layer_spec":
+        raise ValueError(f"--spec megatron_kcp {name}: {base} takes no options; options "
+                         f"({', '.join(KDA_OPTIONS)}) go with kda_hybrid_layer_spec")
+    options = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if key not in KDA_OPTIONS or not eq:
+            raise ValueError(f"--spec megatron_kcp {name}: {item!r} is not OPTION=VALUE with OPTION one of "
+                             f"{', '.join(KDA_OPTIONS)}")
+        kind = KDA_OPTIONS[key][0]
+        try:
+            options[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--spec megatron_kcp {name}: {key}={value!r} is not a {kind.__name__}") from None
+    try:
+        return kda_hybrid_layer_spec_with(**options)
+    except ValueError as e:
+        raise ValueError(f"--spec megatron_kcp {name}: {e}") from None
 
 
 # what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
