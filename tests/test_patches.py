@@ -1,4 +1,6 @@
-"""patches/ apply cleanly to the installed megatron-core 0.19.2 sources and do what they say."""
+"""patches/ apply cleanly to the installed megatron-core 0.19.2 sources and do what they say: the
+one-token --spec, and a --spec that does not import stops the run (unpatched, Megatron returns None and
+pretrain_gpt.py trains its default GPT)."""
 from __future__ import annotations
 
 import importlib.util
@@ -46,3 +48,30 @@ def test_two_token_spec_works_unpatched():
 
     from megatron_kcp.spec import gdn_hybrid_layer_spec
     assert import_module(["megatron_kcp.spec", "gdn_hybrid_layer_spec"]) is gdn_hybrid_layer_spec
+
+
+@pytest.fixture
+def broken_spec_package(tmp_path, monkeypatch):
+    """A spec package whose dependency is missing, as megatron_kcp is when fla or einops is."""
+    pkg = tmp_path / "kcp_broken"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import kcp_missing_dependency  # noqa\ndefault_spec = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "kcp_broken"
+
+
+def test_spec_that_does_not_import_stops_the_run(patched_spec_utils, broken_spec_package):
+    with pytest.raises(ImportError, match="cannot import kcp_broken .*kcp_missing_dependency.*correct --spec"):
+        patched_spec_utils.import_module([broken_spec_package, "default_spec"])
+    with pytest.raises(ImportError, match="cannot import megatron_kcp_typo"):
+        patched_spec_utils.import_module(["megatron_kcp_typo"])
+
+
+def test_unpatched_megatron_falls_back_silently(broken_spec_package):
+    """What the patch fixes (and why unpatched runs print the KCP-active line): None, i.e. the default GPT."""
+    from megatron.core.transformer.spec_utils import import_module
+    assert import_module([broken_spec_package, "default_spec"]) is None
+
+
+def test_spec_local_keeps_its_meaning(patched_spec_utils):
+    assert patched_spec_utils.import_module(["local"]) is None     # Megatron's default spec, local backend
