@@ -13,15 +13,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
 from megatron_kcp.te import te_available
+
+# Megatron's --spec import passes over an ImportError (it logs it and trains its default GPT): what this
+# module needs and does not find is a RuntimeError, which stops the run
+NEEDS = "megatron_kcp needs megatron-core 0.19.x and its own dependencies (pip install -e <megatron_kcp checkout>)"
+try:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+except ImportError as e:
+    raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
 
 def backend_provider():
@@ -154,13 +160,15 @@ def spec_from_name(name: str) -> ModuleSpec:
 
 
 # what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
-gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
-kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
-default_spec = gdn_hybrid_layer_spec
-
-# the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
-# benchmarks and long-context runs compare against
-cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
+try:
+    gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
+    kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
+    default_spec = gdn_hybrid_layer_spec
+    # the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
+    # benchmarks and long-context runs compare against
+    cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
+except ImportError as e:      # the mixers' modules (see NEEDS above)
+    raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
 # every spec above, by name: what megatron_kcp.train accepts after --spec megatron_kcp.spec
 SPEC_NAMES = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))

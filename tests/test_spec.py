@@ -147,3 +147,40 @@ def test_spec_names_resolve_unpatched():
     kda = import_module(["megatron_kcp", name])
     assert kda is import_module(["megatron_kcp", name])          # built once
     assert kda.submodules.self_attention.submodules.linear.params == {"kda_gate_rank": 64, "kda_norm_eps": 1e-6}
+
+
+def _two_forwards(name, module):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    model = _gpt(2, name, module=module, context_parallel_size=dist.get_world_size())
+    tokens = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(1))
+    batch = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": torch.arange(32)[None]}, False,
+                                      ps.get_context_parallel_group())
+    for _ in range(2):
+        model(batch["tokens"], batch["position_ids"], attention_mask=None).sum().backward()
+
+
+@pytest.mark.parametrize("module,name,expected", [
+    ("megatron_kcp.spec", "gdn_hybrid_layer_spec", "KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout "
+     "zigzag_per_doc ([s, b] rows), kernels reference, layers local"),
+    ("megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16", "KCPKimiDeltaAttention (layer 1, kda_gate_rank=16, "
+     "kda_norm_eps=1e-05), CP size 2, TP size 1, layout zigzag_per_doc"),
+])
+def test_kcp_active_line_once_on_rank_0(module, name, expected, capfd):
+    """Unpatched Megatron trains its default GPT when a --spec fails to import: the line says KCP is on."""
+    spawn(_two_forwards, 2, name, module)
+    lines = [line for line in capfd.readouterr().out.splitlines() if "KCP active" in line]
+    assert len(lines) == 1 and lines[0].startswith("[megatron_kcp] KCP active: " + expected), lines
+
+
+def test_missing_dependency_stops_unpatched_megatron():
+    """An ImportError inside megatron_kcp.spec would make Megatron train its default GPT: it is a RuntimeError."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['megatron_kcp.ops.kcp'] = None\n"        # as if a dependency were missing
+            "from megatron.core.transformer.spec_utils import import_module\n"
+            "import_module(['megatron_kcp.spec', 'gdn_hybrid_layer_spec'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "RuntimeError: megatron_kcp.spec: import of megatron_kcp.ops.kcp halted" in done.stderr, done.stderr[-2000:]

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
+from megatron_kcp.layers.announce import announce
 from megatron_kcp.layers.gdn import packed_plan
 from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
@@ -111,6 +112,7 @@ class KCPKimiDeltaAttention(MegatronModule):
                              "use more heads of a smaller head dim")
         self.options = kda_options(config, tp, kda_gate_rank=kda_gate_rank, kda_norm_eps=kda_norm_eps)
         rank, eps = self.options["kda_gate_rank"] or self.V, self.options["kda_norm_eps"]
+        self.gate_rank = rank
         if rank % tp:
             raise ValueError(f"kda_gate_rank={rank} (the value head dim) must be divisible by the tensor-parallel "
                              f"size {tp}: set kda_gate_rank to a multiple of it")
@@ -193,6 +195,8 @@ class KCPKimiDeltaAttention(MegatronModule):
         s, bsz = q.shape[:2]
         cp_group = self.pg_collection.cp
         plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group)
+        announce(self, plan, q, packed_seq_params, self.pg_collection.tp.size(),
+                 kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
         T = bsz * s
 
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
