@@ -65,6 +65,11 @@ class HybridMixer(MegatronModule):
     """Builds the linear mixer or softmax attention for this layer (see module docstring)."""
 
     def __new__(cls, config, submodules: HybridMixerSubmodules, layer_number: int = 1, **kwargs):
+        if (config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ())
+                and not te_available()):
+            # megatron-core 0.19's CheckpointWithoutOutput() reads TE's FP8 state (NameError without TE)
+            raise ValueError("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.19: drop "
+                             "layernorm from --recompute-modules (core_attn and mlp work) or install TE")
         spec = submodules.linear if is_linear_layer(config, layer_number) else submodules.attention
         return build_module(spec, config=config, layer_number=layer_number, **kwargs)
 
