@@ -86,7 +86,7 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
 
 
 def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -> list[str]:
-    args = ["--spec", "megatron_kcp.spec", p.get("spec", "gdn_hybrid_layer_spec")]
+    args = ["--spec", "megatron_kcp", p.get("spec", "gdn_hybrid_layer_spec")]
     for key in MODEL_KEYS:
         if key in p and key not in ("vocab_size",):
             args += [f"--{key.replace('_', '-')}", str(p[key])]

@@ -29,7 +29,7 @@ def test_single_node_command(capsys):
     assert cmd[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--master-port=29500"]
     assert cmd[4] == "/opt/Megatron-LM/pretrain_gpt.py"
     i = cmd.index("--spec")
-    assert cmd[i + 1:i + 3] == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert cmd[i + 1:i + 3] == ["megatron_kcp", "kda_hybrid_layer_spec"]
     assert cmd[cmd.index("--context-parallel-size") + 1] == "4"
     assert cmd[cmd.index("--global-batch-size") + 1] == "1" and cmd[-4:-2] == ["--train-iters", "10"]
 

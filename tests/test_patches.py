@@ -16,19 +16,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "megatron-core-0.19.2-spec-default.patch"
 
 
-@pytest.fixture
-def patched_spec_utils(tmp_path):
-    if shutil.which("patch") is None:
-        pytest.skip("needs the `patch` program")
+def patched_spec_utils_module(tmp_path):
+    """The installed spec_utils.py with the patch applied (a copy under ``tmp_path``), imported."""
     src = pathlib.Path(megatron.core.__file__).parent / "transformer" / "spec_utils.py"
-    dst = tmp_path / "megatron" / "core" / "transformer" / "spec_utils.py"
-    dst.parent.mkdir(parents=True)
+    dst = pathlib.Path(tmp_path) / "megatron" / "core" / "transformer" / "spec_utils.py"
+    dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(src, dst)
     subprocess.run(["patch", "-p1", "--forward", "-i", str(PATCH)], cwd=tmp_path, check=True, capture_output=True)
     spec = importlib.util.spec_from_file_location("patched_spec_utils", dst)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture
+def patched_spec_utils(tmp_path):
+    if shutil.which("patch") is None:
+        pytest.skip("needs the `patch` program")
+    return patched_spec_utils_module(tmp_path)
 
 
 def test_installed_megatron_core_is_0_19_2():

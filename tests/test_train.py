@@ -20,7 +20,7 @@ def _argv(preset="tiny-gdn.json", tp=1, cp=1, sp=False, *extra):
 
 def test_launcher_command_parses_with_plugin_options():
     a = train.read_args(_argv("tiny-kda.json", 2, 2, True, "--kda-gate-rank", "32", "--kda-norm-eps", "1e-6"))
-    assert a.spec == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert a.spec == ["megatron_kcp", "kda_hybrid_layer_spec"]
     assert (a.kda_gate_rank, a.kda_norm_eps) == (32, 1e-6)
     assert a.context_parallel_size == 2 and a.sequence_parallel and a.linear_attention_freq == 4
     if not train.te_available():

@@ -1,0 +1,138 @@
+"""Megatron-LM's pretrain_gpt.py path, on the CPU: README.md's commands as pretrain_gpt.py reads them.
+
+The commands come from the README's ``pretrain_gpt.py`` block, expanded by bash with a stand-in
+torchrun that records them (scripts/device_megatron_lm.sh runs the same block on GPUs). They are the
+launcher's ``--megatron-lm`` commands; Megatron's parser and checks accept them with pretrain_gpt.py's
+defaults; the model pretrain_gpt.py builds from them (``gpt_config_from_args``: a plain
+TransformerConfig, the spec from ``--spec``, unpatched or patched) has the KCP mixers, the hybrid
+pattern and the KDA options of the spec's name. Without the TE-less flags Megatron's config refuses
+the same arguments when TE is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron_kcp import launch
+from megatron_kcp.te import NO_TE_ARGS, te_available
+from tests.distributed import spawn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MEGATRON_LM = "/opt/Megatron-LM"
+
+
+def readme_block() -> str:
+    """The README's bash block that runs pretrain_gpt.py (the same rule as scripts/device_megatron_lm.sh)."""
+    blocks = re.findall(r"^```bash\n(.*?)^```$", (ROOT / "README.md").read_text(), re.S | re.M)
+    found = [b for b in blocks if "pretrain_gpt.py --spec" in b]
+    assert len(found) == 1, "README.md must hold one bash block with the pretrain_gpt.py commands"
+    return found[0]
+
+
+def readme_commands() -> list[list[str]]:
+    """Each torchrun command of the block, as bash expands it (torchrun's own options included)."""
+    record = 'torchrun() { "$PYTHON" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@"; }\n'
+    env = {**os.environ, "MEGATRON_LM": MEGATRON_LM, "PYTHON": sys.executable,
+           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", record + readme_block()], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def _script_args(cmd):
+    i = cmd.index(f"{MEGATRON_LM}/pretrain_gpt.py")
+    return cmd[:i], cmd[i + 1:]
+
+
+def test_readme_commands():
+    cmds = readme_commands()
+    specs = [args[args.index("--spec") + 1:args.index("--spec") + 3] for _, args in map(_script_args, cmds)]
+    assert specs == [["megatron_kcp", "gdn_hybrid_layer_spec"],
+                     ["megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=32,kda_norm_eps=1e-6"],
+                     ["megatron_kcp", "--num-layers"]]          # the one-token form (patched Megatron-LM)
+    for cmd in cmds:
+        torchrun, args = _script_args(cmd)
+        assert torchrun == ["--nproc-per-node", "2"]
+        no_te = [x for flag in NO_TE_ARGS for x in flag]
+        assert (args[-len(no_te):] == no_te) != te_available()
+
+
+def _megatron_namespace(argv):
+    from megatron.training.arguments import parse_args
+    saved, sys.argv = sys.argv, ["pretrain_gpt.py", *argv]
+    try:
+        return vars(parse_args())
+    finally:
+        sys.argv = saved
+
+
+@pytest.mark.parametrize("index,preset", [(0, "tiny-gdn.json"), (1, "tiny-kda.json"), (2, "tiny-gdn.json")])
+def test_readme_commands_are_the_launchers(index, preset, capsys):
+    """README and `MEGATRON_LM=... scripts/train_single_node.sh PRESET --cp 2` set the same arguments."""
+    assert launch.main(["--dry-run", str(ROOT / "configs" / preset), "--nproc-per-node", "2", "--cp", "2",
+                        "--megatron-lm", MEGATRON_LM, "--", "--train-iters", "20"]) == 0
+    _, ours = _script_args(shlex.split(capsys.readouterr().out))
+    _, readme = _script_args(readme_commands()[index])
+    ours, readme = _megatron_namespace(ours), _megatron_namespace(readme)
+    assert {k: v for k, v in readme.items() if k != "spec"} == {k: v for k, v in ours.items() if k != "spec"}
+
+
+def _pretrain_gpt_builds(index, tmp_dir):
+    """pretrain_gpt.py's startup up to the model: its parse_and_validate_args call, gpt_config_from_args
+    (the spec imported by Megatron's import_module, patched for the one-token command), the builder."""
+    from tests import megatron_cpu
+    megatron_cpu.enable()
+    import megatron.training.argument_utils as argument_utils
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.arguments import parse_and_validate_args
+
+    from tests.test_patches import patched_spec_utils_module
+    _, argv = _script_args(readme_commands()[index])
+    if index == 2:
+        argument_utils.import_module = patched_spec_utils_module(tmp_dir).import_module
+    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization"]
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    model_cfg = argument_utils.gpt_config_from_args(args)
+    assert type(model_cfg.transformer) is TransformerConfig         # no KDA fields: options come with the spec
+    model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    mixer = "KCPKimiDeltaAttention" if index == 1 else "KCPGatedDeltaNet"
+    assert kinds == [mixer] * 3 + ["SelfAttention"], kinds
+    assert args.context_parallel_size == 2 and args.tokenizer_type == "NullTokenizer"
+    if index == 1:
+        first = model.decoder.layers[0].self_attention
+        assert first.f_proj[0].weight.shape[0] == 32 and first.o_norm.eps == 1e-6
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_readme_commands_build_the_hybrids_as_pretrain_gpt_does(index, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    spawn(_pretrain_gpt_builds, 2, index, str(tmp_path))
+
+
+def _stops_without_te_flags():
+    from tests import megatron_cpu
+    megatron_cpu.enable()
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    _, argv = _script_args(readme_commands()[0])
+    sys.argv = ["pretrain_gpt.py", *argv[:-sum(len(f) for f in NO_TE_ARGS)], "--use-cpu-initialization"]
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        core_transformer_config_from_args(args)
+
+
+def test_without_te_the_flags_are_needed(monkeypatch):
+    """What `MEGATRON_LM=... scripts/train_single_node.sh` hit before the launcher added the flags."""
+    if te_available():
+        pytest.skip("TransformerEngine is installed")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    spawn(_stops_without_te_flags, 2)
