@@ -53,7 +53,7 @@ printf '%s\nfiles: %s\n' "$from" "${copied[*]}" > "$out/SOURCE"
 echo "fetch_megatron_lm: ${copied[*]} -> $out ($from)"
 
 # the rest of what pretrain_gpt.py imports must come from the installed packages
-if "$py" -c 'import megatron.core' 2>/dev/null; then
+if "$py" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("megatron.core") is None)' 2>/dev/null; then
   (cd "$out" && "$py" -c 'import pretrain_gpt' >/dev/null 2>"$out/import_check.txt") \
     && echo "fetch_megatron_lm: pretrain_gpt.py imports with the installed megatron-core" \
     || { echo "fetch_megatron_lm: pretrain_gpt.py does not import here (see $out/import_check.txt):" >&2
