@@ -7,6 +7,8 @@ defaults; the model pretrain_gpt.py builds from them (``gpt_config_from_args``: 
 TransformerConfig, the spec from ``--spec``, unpatched or patched) has the KCP mixers, the hybrid
 pattern and the KDA options of the spec's name. Without the TE-less flags Megatron's config refuses
 the same arguments when TE is missing.
+With Megatron-LM's pretrain_gpt.py at hand (.mlm/ or MEGATRON_LM), its own dataset provider and
+forward_step give the loss of megatron_kcp.train's on the same KCP model at CP=2.
 """
 from __future__ import annotations
 
@@ -136,3 +138,50 @@ def test_without_te_the_flags_are_needed(monkeypatch):
         pytest.skip("TransformerEngine is installed")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     spawn(_stops_without_te_flags, 2)
+
+
+LOCAL_MLM = pathlib.Path(os.environ.get("MEGATRON_LM") or ROOT / ".mlm")
+
+
+def _real_pretrain_gpt_step(index):
+    """Megatron-LM's own pretrain_gpt.py functions on the CPU (its .cuda() calls made no-ops): its
+    dataset provider and forward_step on the model its arguments build, against megatron_kcp.train's."""
+    import importlib.util
+
+    import torch
+    from tests import megatron_cpu
+    megatron_cpu.enable()
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_kcp import train
+    sys.path.insert(0, str(LOCAL_MLM))
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", LOCAL_MLM / "pretrain_gpt.py")
+    pretrain_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain_gpt)
+    _, argv = _script_args(readme_commands()[index])
+    sys.argv = ["pretrain_gpt.py", *[a for a in argv if a != "--bf16"], "--use-cpu-initialization",
+                "--seq-length", "256", "--max-position-embeddings", "256"]
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    model_cfg = gpt_config_from_args(args)
+    model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    losses = []
+    for provider, forward_step in ((pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step),
+                                   (train.datasets_provider, train.forward_step)):
+        dataset = provider([1, 0, 0])[0]
+        output, loss_func = forward_step(iter([torch.utils.data.default_collate([dataset[0]])]), model)
+        loss, num_tokens, _ = loss_func(output)
+        losses.append((loss.item(), num_tokens.item()))
+    assert losses[0] == losses[1] and losses[0][1] == 128, losses        # this rank's half of 256 tokens
+
+
+@pytest.mark.skipif(not (LOCAL_MLM / "pretrain_gpt.py").is_file(),
+                    reason="needs Megatron-LM's pretrain_gpt.py in .mlm/ or MEGATRON_LM (scripts/fetch_megatron_lm.sh)")
+@pytest.mark.parametrize("index", [0, 1])
+def test_real_pretrain_gpt_step_equals_the_entrys(index, monkeypatch, capfd):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    spawn(_real_pretrain_gpt_step, 2, index)
+    mixer = "KCPKimiDeltaAttention (layer 1, kda_gate_rank=32" if index else "KCPGatedDeltaNet (layer 1)"
+    assert f"[megatron_kcp] KCP active: {mixer}" in capfd.readouterr().out
