@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_kcp.te import te_available
+from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 # Megatron's --spec import passes over an ImportError (it logs it and trains its default GPT): what this
 # module needs and does not find is a RuntimeError, which stops the run
@@ -28,6 +29,8 @@ try:
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 except ImportError as e:
     raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
+
+skip_make_of_prebuilt_dataset_helpers()     # pretrain_gpt.py next to the megatron-core wheel (megatron_kcp/wheel.py)
 
 
 def backend_provider():

@@ -23,6 +23,7 @@ import torch
 from megatron_kcp.launch import check_split
 from megatron_kcp.spec import SPEC_NAMES, spec_from_name
 from megatron_kcp.te import no_te_args, te_available
+from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 
 def add_kcp_args(parser):
@@ -211,17 +212,6 @@ class Progress:
         return out
 
 
-def _prebuilt_dataset_helpers():
-    """The megatron-core wheel ships the dataset index helpers compiled but not their Makefile, and
-    Megatron's startup runs ``make`` on them regardless: skip that when the built module imports."""
-    from megatron.core.datasets import utils
-    try:
-        import megatron.core.datasets.helpers_cpp  # noqa: F401
-    except ImportError:
-        return
-    utils.compile_helpers = lambda: None
-
-
 def model_config(args):
     """The GPT model config from the arguments (imports the spec). Its transformer config is a KDAConfig,
     TransformerConfig plus the KDA fields (--kda-*), which the GDN spec ignores."""
@@ -244,7 +234,7 @@ def main(argv=None):
         sys.exit(f"megatron_kcp.train: {e}")
     container = pretrain_cfg_container_from_args(args, model_config(args))
     training.training_log = Progress(training.training_log, args)
-    _prebuilt_dataset_helpers()
+    skip_make_of_prebuilt_dataset_helpers()
     training.pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 

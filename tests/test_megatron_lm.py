@@ -185,3 +185,22 @@ def test_real_pretrain_gpt_step_equals_the_entrys(index, monkeypatch, capfd):
     spawn(_real_pretrain_gpt_step, 2, index)
     mixer = "KCPKimiDeltaAttention (layer 1, kda_gate_rank=32" if index else "KCPGatedDeltaNet (layer 1)"
     assert f"[megatron_kcp] KCP active: {mixer}" in capfd.readouterr().out
+
+
+def test_spec_import_skips_the_wheels_make_of_built_helpers(tmp_path, monkeypatch):
+    """pretrain_gpt.py next to the wheel: Megatron's startup `make` has no Makefile there and exits; the
+    spec, imported first, skips it when the helpers are built. A checkout's Makefile is left alone."""
+    from megatron.core.datasets import utils
+    if (pathlib.Path(utils.__file__).parent / "Makefile").exists():
+        pytest.skip("megatron-core from a checkout: its make step works")
+    call = "from megatron.core.datasets import utils; utils.compile_helpers(); print('went on')"
+    plain = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 1 and "went on" not in plain.stdout      # what Megatron's startup does here
+    kcp = subprocess.run([sys.executable, "-c", "import megatron_kcp.spec; " + call], capture_output=True, text=True,
+                         timeout=300)
+    assert kcp.returncode == 0 and "went on" in kcp.stdout, kcp.stderr[-2000:]
+    from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
+    (tmp_path / "Makefile").write_text("default:\n")
+    monkeypatch.setattr(utils, "__file__", str(tmp_path / "utils.py"))
+    original = utils.compile_helpers
+    assert not skip_make_of_prebuilt_dataset_helpers() and utils.compile_helpers is original
