@@ -178,5 +178,5 @@ try:
 except ImportError as e:      # the mixers' modules (see NEEDS above)
     raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
-# every spec above, by name: what megatron_kcp.train accepts after --spec megatron_kcp.spec
+# every spec above, by name: what --spec megatron_kcp[.spec] NAME resolves (spec_from_name adds options)
 SPEC_NAMES = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))
