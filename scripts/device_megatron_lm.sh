@@ -44,7 +44,9 @@ fp32='TINY32=${TINY/--bf16/}'          # for the exact comparisons
 patched=/tmp/kcp-mcore-patched
 rm -rf "$patched" && mkdir -p "$patched"
 cp -r "$(python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("megatron.core").submodule_search_locations[0]))')" "$patched/"
-patch -s -d "$patched" -p1 < patches/megatron-core-0.19.2-spec-default.patch || echo "patch: failed" >> "$OUT/summary.txt"
+diff=$PWD/patches/megatron-core-0.19.2-spec-default.patch
+if command -v patch >/dev/null; then patch -s -d "$patched" -p1 < "$diff"; else (cd "$patched" && git apply -p1 "$diff"); fi \
+  || echo "patched copy: the patch did not apply (needs patch or git)" >> "$OUT/summary.txt"
 with_patch="PYTHONPATH=$patched:\$PYTHONPATH"
 
 run() {   # name command [arguments appended to it]: the README's setup, then the command, logged to name.log
