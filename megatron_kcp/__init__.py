@@ -8,9 +8,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # `--spec megatron_kcp` (patched Megatron) asks the package for its specs; import them lazily
-    # so that the ops stay importable without building any spec
-    if name in ("default_spec", "gdn_hybrid_layer_spec", "kda_hybrid_layer_spec"):
+    """``--spec megatron_kcp NAME[:OPTIONS]`` (and the patch's one-token ``--spec megatron_kcp``): the spec
+    of that name, built on first use so that the ops import without building any spec. Cached in the
+    module's namespace, where an unpatched Megatron looks it up (``vars(module)[name]``, after the import
+    machinery's ``hasattr`` brought it here). An unknown spec name raises ValueError, which stops Megatron
+    (it passes over ImportError only)."""
+    if not name.startswith("_") and (name.endswith("_spec") or ":" in name):
         from megatron_kcp import spec
-        return getattr(spec, name)
+        globals()[name] = spec.spec_from_name(name)
+        return globals()[name]
     raise AttributeError(f"module 'megatron_kcp' has no attribute {name!r}")

@@ -19,17 +19,39 @@ import sys
 from pathlib import Path
 
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp.te import no_te_args
 
 MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "seq_length", "vocab_size")
 
 
+# what the size checks and the command need; the rest falls back to Megatron's defaults
+REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "seq_length", "vocab_size")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
 def load_preset(path: str | Path) -> dict:
-    preset = json.loads(Path(path).read_text())
+    """The preset's model sizes; ValueError naming the file and the fix if it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        shipped = sorted(p.name for p in CONFIGS.glob("*.json"))
+        raise ValueError(f"preset {path}: no such file; give the path of a JSON preset"
+                         + (f", e.g. one of configs/{{{','.join(shipped)}}}" if shipped else ""))
+    try:
+        preset = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"preset {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
+                         "fix the file (configs/tiny-gdn.json shows the format)") from None
+    if not isinstance(preset, dict):
+        raise ValueError(f"preset {path}: must be a JSON object of model sizes, e.g. {{\"num_layers\": 4, ...}}")
     unknown = set(preset) - set(MODEL_KEYS) - {"_doc", "spec"}
     if unknown:
-        raise ValueError(f"{path}: unknown preset keys {sorted(unknown)}; allowed: {MODEL_KEYS}")
+        raise ValueError(f"preset {path}: unknown keys {sorted(unknown)}; allowed: {MODEL_KEYS}")
+    missing = [k for k in REQUIRED_KEYS if k not in preset]
+    if missing:
+        raise ValueError(f"preset {path}: missing keys {missing}; add them (configs/tiny-gdn.json has every key)")
     return preset
 
 
@@ -64,7 +86,7 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
 
 
 def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -> list[str]:
-    args = ["--spec", "megatron_kcp.spec", p.get("spec", "gdn_hybrid_layer_spec")]
+    args = ["--spec", "megatron_kcp", p.get("spec", "gdn_hybrid_layer_spec")]
     for key in MODEL_KEYS:
         if key in p and key not in ("vocab_size",):
             args += [f"--{key.replace('_', '-')}", str(p[key])]
@@ -101,6 +123,8 @@ def build_command(a) -> list[str]:
     model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel)
     if a.fp32:
         model.remove("--bf16")
+    if a.megatron_lm:          # megatron_kcp.train adds these itself
+        model += no_te_args(a.extra)
     cmd = run + trainer + model + a.extra
     if "--global-batch-size" not in a.extra:          # one micro batch of 1 per data-parallel rank
         cmd += ["--global-batch-size", str(dp)]

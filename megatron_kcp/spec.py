@@ -13,22 +13,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron_kcp.te import te_available
+from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
+# Megatron's --spec import passes over an ImportError (it logs it and trains its default GPT): what this
+# module needs and does not find is a RuntimeError, which stops the run
+NEEDS = "megatron_kcp needs megatron-core 0.19.x and its own dependencies (pip install -e <megatron_kcp checkout>)"
+try:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+except ImportError as e:
+    raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
-        return True
-    except ImportError:
-        return False
+skip_make_of_prebuilt_dataset_helpers()     # pretrain_gpt.py next to the megatron-core wheel (megatron_kcp/wheel.py)
 
 
 def backend_provider():
@@ -66,6 +68,11 @@ class HybridMixer(MegatronModule):
     """Builds the linear mixer or softmax attention for this layer (see module docstring)."""
 
     def __new__(cls, config, submodules: HybridMixerSubmodules, layer_number: int = 1, **kwargs):
+        if (config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ())
+                and not te_available()):
+            # megatron-core 0.19's CheckpointWithoutOutput() reads TE's FP8 state (NameError without TE)
+            raise ValueError("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.19: drop "
+                             "layernorm from --recompute-modules (core_attn and mlp work) or install TE")
         spec = submodules.linear if is_linear_layer(config, layer_number) else submodules.attention
         return build_module(spec, config=config, layer_number=layer_number, **kwargs)
 
@@ -81,10 +88,11 @@ def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
         out_proj=backend.row_parallel_linear()))
 
 
-def kda_mixer_spec(backend=None) -> ModuleSpec:
+def kda_mixer_spec(backend=None, **options) -> ModuleSpec:
+    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``) go to its constructor."""
     from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
     backend = backend or backend_provider()
-    return ModuleSpec(module=KCPKimiDeltaAttention, submodules=KDASubmodules(
+    return ModuleSpec(module=KCPKimiDeltaAttention, params=options, submodules=KDASubmodules(
         column_linear=backend.column_parallel_linear(), row_linear=backend.row_parallel_linear()))
 
 
@@ -121,14 +129,54 @@ def _bda():
     return get_bias_dropout_add
 
 
+def kda_hybrid_layer_spec_with(**options) -> ModuleSpec:
+    """The KDA hybrid with KDA options (``kda_gate_rank``, ``kda_norm_eps``) carried by the spec, so that they
+    reach the mixer where the config has no KDA fields (Megatron-LM's pretrain_gpt.py). Bad options
+    raise ValueError here; the mixer checks them again against the TP size and the config."""
+    from megatron_kcp.layers.kda import kda_options
+    kda_options(None, **options)
+    return hybrid_layer_spec(kda_mixer_spec(**options))
+
+
+def spec_from_name(name: str) -> ModuleSpec:
+    """``NAME`` or ``NAME:option=value,...``, as ``--spec megatron_kcp <name>`` gives it, e.g.
+    ``kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-5``. ValueError naming the fix otherwise."""
+    from megatron_kcp.layers.kda import KDA_OPTIONS
+    base, _, text = name.partition(":")
+    if base not in SPEC_NAMES:
+        raise ValueError(f"--spec megatron_kcp {name}: unknown spec {base!r}; use one of {', '.join(SPEC_NAMES)}")
+    if not text:
+        return globals()[base]
+    if base != "kda_hybrid_layer_spec":
+        raise ValueError(f"--spec megatron_kcp {name}: {base} takes no options; options "
+                         f"({', '.join(KDA_OPTIONS)}) go with kda_hybrid_layer_spec")
+    options = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if key not in KDA_OPTIONS or not eq:
+            raise ValueError(f"--spec megatron_kcp {name}: {item!r} is not OPTION=VALUE with OPTION one of "
+                             f"{', '.join(KDA_OPTIONS)}")
+        kind = KDA_OPTIONS[key][0]
+        try:
+            options[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--spec megatron_kcp {name}: {key}={value!r} is not a {kind.__name__}") from None
+    try:
+        return kda_hybrid_layer_spec_with(**options)
+    except ValueError as e:
+        raise ValueError(f"--spec megatron_kcp {name}: {e}") from None
+
+
 # what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
-gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
-kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
-default_spec = gdn_hybrid_layer_spec
+try:
+    gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec())
+    kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec())     # softmax layers: Megatron attention, not MLA
+    default_spec = gdn_hybrid_layer_spec
+    # the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
+    # benchmarks and long-context runs compare against
+    cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
+except ImportError as e:      # the mixers' modules (see NEEDS above)
+    raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
-# the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
-# benchmarks and long-context runs compare against
-cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
-
-# every spec above, by name: what megatron_kcp.train accepts after --spec megatron_kcp.spec
+# every spec above, by name: what --spec megatron_kcp[.spec] NAME resolves (spec_from_name adds options)
 SPEC_NAMES = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))

@@ -21,7 +21,9 @@ from functools import partial
 import torch
 
 from megatron_kcp.launch import check_split
-from megatron_kcp.spec import SPEC_NAMES, te_available
+from megatron_kcp.spec import SPEC_NAMES, spec_from_name
+from megatron_kcp.te import no_te_args, te_available
+from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 
 def add_kcp_args(parser):
@@ -29,7 +31,7 @@ def add_kcp_args(parser):
     g = parser.add_argument_group("megatron_kcp")
     g.add_argument("--kda-gate-rank", type=int, default=None,
                    help="KDA: rank of the low-rank forget/output gate projections (default: value head dim)")
-    g.add_argument("--kda-norm-eps", type=float, default=1e-5, help="KDA: epsilon of the gated output RMSNorm")
+    g.add_argument("--kda-norm-eps", type=float, default=None, help="KDA: epsilon of the gated output RMSNorm (default 1e-5)")
     g.add_argument("--kcp-log", default=None, help="also write the per-step progress as JSON lines to this file")
     return parser
 
@@ -46,9 +48,18 @@ def normalize_spec(spec):
 def validate_kcp_args(args):
     """Checks Megatron's own validation does not make; raises ValueError naming the fix."""
     spec = args.spec
-    if spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or spec[-1] not in SPEC_NAMES:
+    base, _, spec_options = spec[-1].partition(":")
+    if len(spec) != 2 or spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or base not in SPEC_NAMES:
         raise ValueError(f"--spec {' '.join(spec)}: megatron_kcp.train builds the KCP hybrids only; use "
-                         f"--spec megatron_kcp.spec {{{','.join(SPEC_NAMES)}}} (or pretrain_gpt.py for others)")
+                         f"--spec megatron_kcp {{{','.join(SPEC_NAMES)}}} (or pretrain_gpt.py for others)")
+    if spec_options:
+        if spec[0] != "megatron_kcp":       # Megatron reads megatron_kcp.spec's names as they are, no options
+            raise ValueError(f"--spec {' '.join(spec)}: a spec with options is named through the package: "
+                             f"--spec megatron_kcp {spec[-1]}")
+        spec_from_name(spec[-1])
+        if args.kda_gate_rank is not None or args.kda_norm_eps is not None:
+            raise ValueError(f"--spec megatron_kcp {spec[-1]} sets KDA options: drop --kda-gate-rank/--kda-norm-eps "
+                             "(or the options in the spec name)")
     if getattr(args, "experimental_attention_variant", None):
         raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
                          "drop it, the KCP spec provides the linear mixers")
@@ -63,12 +74,14 @@ def validate_kcp_args(args):
     sizes = {**vars(args), "num_query_groups": args.num_query_groups if args.group_query_attention else None}
     check_split(sizes, tp, cp, args.sequence_parallel, name=lambda k: "--" + k.replace("_", "-"),
                 tp_flag="--tensor-model-parallel-size")
-    is_kda = "kda" in spec[-1]
-    if not is_kda and (args.kda_gate_rank is not None or args.kda_norm_eps != 1e-5):
+    is_kda = "kda" in base
+    if not is_kda and (args.kda_gate_rank is not None or args.kda_norm_eps is not None):
         raise ValueError("--kda-gate-rank/--kda-norm-eps apply to the KDA spec only: use --spec megatron_kcp.spec "
                          "kda_hybrid_layer_spec or drop them")
     if is_kda and args.kda_gate_rank is not None and (args.kda_gate_rank < 1 or args.kda_gate_rank % tp):
         raise ValueError(f"--kda-gate-rank {args.kda_gate_rank} must be a positive multiple of the TP size {tp}")
+    if is_kda and args.kda_norm_eps is not None and not 0 < args.kda_norm_eps < float("inf"):
+        raise ValueError(f"--kda-norm-eps {args.kda_norm_eps} must be a positive number")
     if cp > 1 and args.transformer_impl == "transformer_engine" and not te_available():
         raise ValueError("--transformer-impl transformer_engine but TransformerEngine is not importable: "
                          "install it or pass --transformer-impl local")
@@ -80,11 +93,7 @@ def read_args(argv=None):
     without a tokenizer file (NullTokenizer) and without the dataloader's attention mask."""
     from megatron.training import arguments
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not te_available():       # Megatron's defaults assume TE's fused kernels
-        for flag, extra in (("--transformer-impl", ["local"]), ("--no-rope-fusion", []),
-                            ("--no-gradient-accumulation-fusion", []), ("--no-persist-layer-norm", [])):
-            if flag not in argv:
-                argv += [flag, *extra]
+    argv += no_te_args(argv)       # Megatron's defaults assume TE's fused kernels
     if "--tokenizer-type" not in argv:
         argv += ["--tokenizer-type", "NullTokenizer"]
     if "--no-create-attention-mask-in-dataloader" not in argv:     # s x s bytes per sample, read by no layer
@@ -203,35 +212,29 @@ class Progress:
         return out
 
 
-def _prebuilt_dataset_helpers():
-    """The megatron-core wheel ships the dataset index helpers compiled but not their Makefile, and
-    Megatron's startup runs ``make`` on them regardless: skip that when the built module imports."""
-    from megatron.core.datasets import utils
-    try:
-        import megatron.core.datasets.helpers_cpp  # noqa: F401
-    except ImportError:
-        return
-    utils.compile_helpers = lambda: None
+def model_config(args):
+    """The GPT model config from the arguments (imports the spec). Its transformer config is a KDAConfig,
+    TransformerConfig plus the KDA fields (--kda-*), which the GDN spec ignores."""
+    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
+
+    from megatron_kcp.layers.kda import KDAConfig
+    config = core_transformer_config_from_args(args, KDAConfig)
+    config.kda_gate_rank, config.kda_norm_eps = args.kda_gate_rank, args.kda_norm_eps
+    return gpt_config_from_args(args, config=config)
 
 
 def main(argv=None):
     from megatron.core.enums import ModelType
     from megatron.training import training
-    from megatron.training.argument_utils import (core_transformer_config_from_args, gpt_config_from_args,
-                                                  pretrain_cfg_container_from_args)
-
-    from megatron_kcp.layers.kda import KDAConfig
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # Megatron's TP/CP overlap needs it; before CUDA starts
     try:
         args = parse_args(argv)
     except ValueError as e:
         sys.exit(f"megatron_kcp.train: {e}")
-    # KDAConfig is TransformerConfig plus the KDA fields: the GDN spec ignores them
-    config = core_transformer_config_from_args(args, KDAConfig)
-    config.kda_gate_rank, config.kda_norm_eps = args.kda_gate_rank, args.kda_norm_eps
-    container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args, config=config))
+    container = pretrain_cfg_container_from_args(args, model_config(args))
     training.training_log = Progress(training.training_log, args)
-    _prebuilt_dataset_helpers()
+    skip_make_of_prebuilt_dataset_helpers()
     training.pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 

@@ -1,4 +1,5 @@
-"""Per-step losses of several runs (``megatron_kcp.train --kcp-log`` JSON lines) against a reference.
+"""Per-step losses of several runs (``megatron_kcp.train --kcp-log`` JSON lines, or any Megatron
+training log: ``*.log``, its ``iteration N/ M | ... | lm loss: X |`` lines) against a reference.
 
     python scripts/loss_parity.py cp1.jsonl cp2.jsonl resume.jsonl --reference cp2.jsonl --tol 2e-2 \\
         [--plot losses.png]
@@ -11,14 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+
+MEGATRON_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+.0-9Ee]+) \|")
 
 
 def read(path) -> dict[int, float]:
     if not Path(path).exists():          # a run that never logged a step: reported as failing below
         return {}
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    text = Path(path).read_text()
+    if Path(path).suffix == ".log":      # Megatron prints the loss with 7 significant digits
+        return {int(m[1]): float(m[2]) for m in MEGATRON_LINE.finditer(text)}
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in rows}        # a restarted step overwrites its first attempt
 
 

@@ -1,7 +1,7 @@
 """Multi-process test harness in the spirit of Megatron's ``tests/unit_tests/test_utilities.Utils``.
 
-``spawn(fn, world_size, *args, tp=1)`` starts ``world_size`` processes, initialises
-``megatron.core.parallel_state`` with the given TP size and CP = world_size / tp, runs ``fn(*args)``
+``spawn(fn, world_size, *args, tp=1, pp=1)`` starts ``world_size`` processes, initialises
+``megatron.core.parallel_state`` with the given TP and PP sizes and CP = world_size / (tp * pp), runs ``fn(*args)``
 on every rank and re-raises the first failure. Backends: NCCL with one GPU per rank when there are
 enough GPUs; otherwise gloo, with ranks sharing the GPUs round-robin when there are any (so the
 CP=4 GPU tests run on one or two GPUs: gloo moves CUDA tensors through host memory, which changes
@@ -45,7 +45,7 @@ def init_process(rank: int, world_size: int, port: int, device_type: str | None 
     return device
 
 
-def _worker(rank, world_size, port, tp, fn, args, errors):
+def _worker(rank, world_size, port, tp, pp, fn, args, errors):
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
     if os.environ.get("KCP_FAST_AUTOTUNE"):
@@ -54,7 +54,8 @@ def _worker(rank, world_size, port, tp, fn, args, errors):
     init_process(rank, world_size, port)
     from megatron.core import parallel_state as ps
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world_size // tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=world_size // (tp * pp))
         fn(*args)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -77,11 +78,11 @@ def gloo_accepts_stacked_all_gather():
     dist.all_gather_into_tensor = all_gather_into_tensor
 
 
-def spawn(fn, world_size: int, *args, tp: int = 1):
+def spawn(fn, world_size: int, *args, tp: int = 1, pp: int = 1):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, _free_port(), tp, fn, args, errors),
+        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors),
                            nprocs=world_size, join=True, start_method="spawn")
     except mp.ProcessRaisedException:
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None

@@ -3,6 +3,8 @@
 megatron-core places some parameters with ``device=torch.cuda.current_device()`` and
 initialises them under the CUDA RNG tracker; on a CPU-only machine both are redirected to the
 CPU (the tracker's fork becomes a no-op, so initialisation draws from torch's CPU generator).
+Activation recomputation saves and restores the CPU generator only, and the pipeline schedules'
+token counter (``torch.zeros(..., device="cuda")``) lives on the CPU.
 """
 from __future__ import annotations
 
@@ -28,6 +30,22 @@ def enable():
     arguments.get_device_arch_version = lambda: 9            # argument checks ask the GPU generation
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
     rope.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank     # Megatron's moves its index to CUDA
+    import megatron.core.tensor_parallel.random as tp_random        # recompute: CheckpointFunction, _fork_rng
+    tp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
+    tp_random._set_all_rng_states = lambda cpu_state, cuda_state, tracker_states: torch.set_rng_state(cpu_state)
+    import megatron.core.pipeline_parallel.schedules as schedules
+    schedules.torch = _TorchOnCPU()
+
+
+class _TorchOnCPU:
+    """``torch`` for a module that creates tensors with ``device="cuda"``."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):

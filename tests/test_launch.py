@@ -29,7 +29,7 @@ def test_single_node_command(capsys):
     assert cmd[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--master-port=29500"]
     assert cmd[4] == "/opt/Megatron-LM/pretrain_gpt.py"
     i = cmd.index("--spec")
-    assert cmd[i + 1:i + 3] == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert cmd[i + 1:i + 3] == ["megatron_kcp", "kda_hybrid_layer_spec"]
     assert cmd[cmd.index("--context-parallel-size") + 1] == "4"
     assert cmd[cmd.index("--global-batch-size") + 1] == "1" and cmd[-4:-2] == ["--train-iters", "10"]
 
@@ -72,3 +72,34 @@ def test_sequence_length_must_split_zigzag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         launch.main(["--dry-run", str(preset), "--nproc-per-node", "4", "--cp", "4"])
     assert "multiple of 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, r"preset .*nope\.json: no such file; give the path of a JSON preset, e\.g\. one of configs/\{.*tiny-gdn\.json"),
+    ('{"num_layers": 4,', r"preset .*bad\.json: not valid JSON \(.* at line 1, column \d+\): fix the file"),
+    ('[4, 256]', r"preset .*bad\.json: must be a JSON object"),
+    ('{"num_layers": 4, "hidden_size": 256}', r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
+    ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]"),
+])
+def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
+    path = tmp_path / ("nope.json" if text is None else "bad.json")
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:           # an argparse error, not a traceback
+        launch.main(["--dry-run", str(path)])
+    assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("te", [False, True])
+def test_megatron_lm_command_without_te_turns_off_te_fusions(te, capsys, monkeypatch):
+    """pretrain_gpt.py stops at startup on Megatron's TE/apex fusion defaults when TE is missing; the
+    launcher adds the flags that turn them off then (megatron_kcp.train adds its own), and only then."""
+    from megatron_kcp import te as te_mod
+    monkeypatch.setattr(te_mod, "te_available", lambda: te)
+    flags = [x for flag in te_mod.NO_TE_ARGS for x in flag]
+    mlm = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM")
+    assert all(f in mlm for f in flags) != te and (te or mlm[mlm.index("--transformer-impl") + 1] == "local")
+    assert not set(flags) & set(_dry(capsys, str(CONFIGS / "tiny-gdn.json")))        # megatron_kcp.train
+    own = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM", "--",
+               "--transformer-impl", "transformer_engine")
+    assert own.count("--transformer-impl") == 1 and own[own.index("--transformer-impl") + 1] == "transformer_engine"

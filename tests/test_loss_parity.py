@@ -26,3 +26,16 @@ def test_parity_passes_and_fails(tmp_path, capsys):
     missing = str(tmp_path / "never_started.jsonl")
     assert loss_parity.main([ref, missing, "--reference", ref]) == 1
     assert "never_started: FAIL, no step in common" in capsys.readouterr().out
+
+
+def test_reads_megatron_logs(tmp_path, capsys):
+    """pretrain_gpt.py has no --kcp-log: its runs are compared through Megatron's own log lines."""
+    line = (" [2026-11-23 10:00:00.000000] iteration {:8d}/      20 | consumed samples:            {} | "
+            "learning rate: 3.000000E-04 | global batch size:     1 | lm loss: {:.6E} | loss scale: 1.0 | "
+            "grad norm: 4.123 | number of skipped iterations:   0 |\n")
+    log = tmp_path / "gdn_mlm.log"
+    log.write_text("[megatron_kcp] KCP active: ...\n" + "".join(line.format(i, i, 10.0 / i) for i in (1, 2, 3)))
+    assert loss_parity.read(log) == {1: 10.0, 2: 5.0, 3: float("3.333333E+00")}
+    assert loss_parity.main([str(log), "--reference", _log(tmp_path / "ref.jsonl", [10.0, 5.0, 10 / 3]),
+                             "--tol", "1e-6"]) == 0
+    assert "gdn_mlm: steps 1-3 (3)" in capsys.readouterr().out

@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from tests.distributed import rel_err, spawn
 
 
-def _gpt(freq, name="gdn_hybrid_layer_spec", **config):
+def _gpt(freq, name="gdn_hybrid_layer_spec", config_class=None, module="megatron_kcp.spec", **config):
     import tests.megatron_cpu
     tests.megatron_cpu.enable()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import import_module
     from megatron_kcp.layers.kda import KDAConfig
-    spec = import_module(("megatron_kcp.spec", name))   # what --spec resolves to
-    cfg = KDAConfig(
+    spec = import_module((module, name))   # what --spec resolves to
+    cfg = (config_class or KDAConfig)(
         num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
         normalization="RMSNorm", linear_attention_freq=freq, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, activation_func=F.silu,
@@ -89,3 +89,98 @@ def test_bad_pattern():
         num_layers, linear_attention_freq = 4, [1, 1, 0]
     with pytest.raises(ValueError, match="num_layers=4"):
         is_linear_layer(C, 1)
+
+
+def _kda_options_reach_the_mixer():
+    """pretrain_gpt.py's config is a plain TransformerConfig: the options come with the spec's name."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    model = _gpt(2, "kda_hybrid_layer_spec:kda_gate_rank=16,kda_norm_eps=1e-6", config_class=TransformerConfig,
+                 module="megatron_kcp")
+    mixer = model.decoder.layers[0].self_attention
+    assert type(mixer).__name__ == "KCPKimiDeltaAttention"
+    assert mixer.f_proj[0].weight.shape[0] == mixer.g_proj[0].weight.shape[0] == 16 and mixer.o_norm.eps == 1e-6
+    plain = _gpt(2, "kda_hybrid_layer_spec", config_class=TransformerConfig, module="megatron_kcp")
+    assert plain.decoder.layers[0].self_attention.options == {"kda_gate_rank": None, "kda_norm_eps": 1e-5}
+
+
+def test_kda_options_through_the_spec_name():
+    spawn(_kda_options_reach_the_mixer, 1)
+
+
+def _bad_kda_value_fails_at_construction(spec_name, config, match):
+    with pytest.raises(ValueError, match=match):
+        _gpt(2, spec_name, module="megatron_kcp", **config)
+
+
+@pytest.mark.parametrize("spec_name,config,match", [
+    ("kda_hybrid_layer_spec", {"kda_gate_rank": 0}, "kda_gate_rank=0: must be a positive int"),
+    ("kda_hybrid_layer_spec", {"kda_gate_rank": 2.5}, "kda_gate_rank=2.5: must be a positive int"),
+    ("kda_hybrid_layer_spec", {"kda_norm_eps": -1e-5}, "kda_norm_eps=-1e-05: must be a positive float"),
+    ("kda_hybrid_layer_spec:kda_gate_rank=16", {"kda_gate_rank": 8}, "the layer spec says 16, the config 8"),
+])
+def test_invalid_kda_values_fail_at_construction(spec_name, config, match):
+    """Never a silent default: KDAConfig's kda_gate_rank=0 used to fall back to the value head dim."""
+    spawn(_bad_kda_value_fails_at_construction, 1, spec_name, config, match)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("kda_hybrd_layer_spec", "unknown spec 'kda_hybrd_layer_spec'; use one of gdn_hybrid_layer_spec, kda_"),
+    ("kda_hybrid_layer_spec:kda_gate_rank=0", "kda_gate_rank=0: must be a positive int"),
+    ("kda_hybrid_layer_spec:kda_gate_rank=six", "kda_gate_rank='six' is not a int"),
+    ("kda_hybrid_layer_spec:kda_norm_eps=nan", "kda_norm_eps=nan: must be a positive float"),
+    ("kda_hybrid_layer_spec:gate_rank=64", "'gate_rank=64' is not OPTION=VALUE with OPTION one of kda_gate_rank"),
+    ("gdn_hybrid_layer_spec:kda_gate_rank=64", "gdn_hybrid_layer_spec takes no options"),
+])
+def test_bad_spec_names_stop_unpatched_megatron(name, match):
+    """Megatron's unpatched import_module passes over ImportError only: a ValueError stops the run."""
+    from megatron.core.transformer.spec_utils import import_module
+    with pytest.raises(ValueError, match=match):
+        import_module(["megatron_kcp", name])
+
+
+def test_spec_names_resolve_unpatched():
+    from megatron.core.transformer.spec_utils import import_module
+
+    import megatron_kcp.spec as spec
+    assert import_module(["megatron_kcp", "gdn_hybrid_layer_spec"]) is spec.gdn_hybrid_layer_spec
+    name = "kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-6"
+    kda = import_module(["megatron_kcp", name])
+    assert kda is import_module(["megatron_kcp", name])          # built once
+    assert kda.submodules.self_attention.submodules.linear.params == {"kda_gate_rank": 64, "kda_norm_eps": 1e-6}
+
+
+def _two_forwards(name, module):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    model = _gpt(2, name, module=module, context_parallel_size=dist.get_world_size())
+    tokens = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(1))
+    batch = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": torch.arange(32)[None]}, False,
+                                      ps.get_context_parallel_group())
+    for _ in range(2):
+        model(batch["tokens"], batch["position_ids"], attention_mask=None).sum().backward()
+
+
+@pytest.mark.parametrize("module,name,expected", [
+    ("megatron_kcp.spec", "gdn_hybrid_layer_spec", "KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout "
+     "zigzag_per_doc ([s, b] rows), kernels reference, layers local"),
+    ("megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16", "KCPKimiDeltaAttention (layer 1, kda_gate_rank=16, "
+     "kda_norm_eps=1e-05), CP size 2, TP size 1, layout zigzag_per_doc"),
+])
+def test_kcp_active_line_once_on_rank_0(module, name, expected, capfd):
+    """Unpatched Megatron trains its default GPT when a --spec fails to import: the line says KCP is on."""
+    spawn(_two_forwards, 2, name, module)
+    lines = [line for line in capfd.readouterr().out.splitlines() if "KCP active" in line]
+    assert len(lines) == 1 and lines[0].startswith("[megatron_kcp] KCP active: " + expected), lines
+
+
+def test_missing_dependency_stops_unpatched_megatron():
+    """An ImportError inside megatron_kcp.spec would make Megatron train its default GPT: it is a RuntimeError."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['megatron_kcp.ops.kcp'] = None\n"        # as if a dependency were missing
+            "from megatron.core.transformer.spec_utils import import_module\n"
+            "import_module(['megatron_kcp.spec', 'gdn_hybrid_layer_spec'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "RuntimeError: megatron_kcp.spec: import of megatron_kcp.ops.kcp halted" in done.stderr, done.stderr[-2000:]

@@ -20,7 +20,7 @@ def _argv(preset="tiny-gdn.json", tp=1, cp=1, sp=False, *extra):
 
 def test_launcher_command_parses_with_plugin_options():
     a = train.read_args(_argv("tiny-kda.json", 2, 2, True, "--kda-gate-rank", "32", "--kda-norm-eps", "1e-6"))
-    assert a.spec == ["megatron_kcp.spec", "kda_hybrid_layer_spec"]
+    assert a.spec == ["megatron_kcp", "kda_hybrid_layer_spec"]
     assert (a.kda_gate_rank, a.kda_norm_eps) == (32, 1e-6)
     assert a.context_parallel_size == 2 and a.sequence_parallel and a.linear_attention_freq == 4
     if not train.te_available():
@@ -46,6 +46,10 @@ def test_one_token_spec_is_the_default_hybrid():
     (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
     (["--dataloader-inter-document-masking"], "pretrain_gpt.py with the KCP spec"),
     (["--save", "/tmp/kcp-ckpt"], "--save needs --save-interval"),
+    (["--spec", "megatron_kcp.spec", "kda_hybrid_layer_spec:kda_gate_rank=32"], "named through the package"),
+    (["--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=32", "--kda-gate-rank", "32"], "in the spec name"),
+    (["--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=-2"], "kda_gate_rank=-2: must be a positive int"),
+    (["--spec", "megatron_kcp", "kda_hybrid_layer_spec", "--kda-norm-eps", "0"], "--kda-norm-eps 0.0 must be a positive"),
 ])
 def test_bad_options_fail_at_startup_naming_the_fix(change, match):
     with pytest.raises(ValueError, match=match):
@@ -69,14 +73,9 @@ def _small_model(preset, cp, extra, shrink=SMALL, cpu_init=True):
     from tests import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
-
-    from megatron_kcp.layers.kda import KDAConfig
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
     args = train.parse_args(argv + ["--use-cpu-initialization"] * cpu_init + list(shrink))
-    config = core_transformer_config_from_args(args, KDAConfig)
-    config.kda_gate_rank = args.kda_gate_rank
-    model_cfg = gpt_config_from_args(args, config=config)
+    model_cfg = train.model_config(args)
 
     def build(startup_draws=0):
         torch.manual_seed(args.seed)        # as Megatron's initialisation does: the same weights on every CP rank
@@ -95,15 +94,18 @@ def _build_and_run(preset, extra):
     assert get_train_valid_test_num_samples()[0] == 10      # what pretrain() asks of the arguments first
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
     assert kinds[0].startswith("KCP") and kinds[1] == "SelfAttention", kinds
-    if args.kda_gate_rank:
-        assert model.decoder.layers[0].self_attention.f_proj[0].weight.shape[0] == args.kda_gate_rank
+    if "kda" in args.spec[-1]:
+        mixer = model.decoder.layers[0].self_attention
+        assert mixer.f_proj[0].weight.shape[0] == 16 and mixer.o_norm.eps == 1e-6, mixer.options
     tokens = torch.randint(0, 1000, (1, 64))
     loss = model(tokens, torch.arange(64)[None], None, labels=tokens)
     loss.mean().backward()
     assert torch.isfinite(loss).all()
 
 
-@pytest.mark.parametrize("preset,extra", [("tiny-gdn.json", ()), ("tiny-kda.json", ("--kda-gate-rank", "16"))])
+@pytest.mark.parametrize("preset,extra", [
+    ("tiny-gdn.json", ()), ("tiny-kda.json", ("--kda-gate-rank", "16", "--kda-norm-eps", "1e-6")),
+    ("tiny-kda.json", ("--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16,kda_norm_eps=1e-6"))])
 def test_entry_builds_the_hybrid_gpt(preset, extra):
     spawn(_build_and_run, 1, preset, extra)
 

@@ -14,6 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from megatron_kcp.layers.announce import announce
 from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM, plan_for_cp_group
 
@@ -69,6 +70,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
         s, b, _ = qkvzba.shape
         plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group)
+        announce(self, plan, qkvzba, packed_seq_params, self.tp_size)
         # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
         qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
+from megatron_kcp.layers.announce import announce
 from megatron_kcp.layers.gdn import packed_plan
 from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
@@ -28,10 +29,44 @@ from megatron_kcp.parallel.plan import MAX_HEAD_DIM
 @dataclass
 class KDAConfig(TransformerConfig):
     """TransformerConfig plus the KDA options. Heads and dims come from the ``linear_*`` fields
-    (``linear_num_key_heads`` = q/k heads, ``linear_num_value_heads`` = v heads, head dims, conv)."""
+    (``linear_num_key_heads`` = q/k heads, ``linear_num_value_heads`` = v heads, head dims, conv).
+    The options can also come from the layer spec (:func:`megatron_kcp.spec.kda_hybrid_layer_spec_with`),
+    which is how they reach the mixer through Megatron-LM's pretrain_gpt.py (a plain TransformerConfig)."""
     kda_gate_rank: int | None = None
-    """Rank of the low-rank f_proj / g_proj bottlenecks; default the value head dim (as fla)."""
-    kda_norm_eps: float = 1e-5
+    """Rank of the low-rank f_proj / g_proj bottlenecks; None: the value head dim (as fla)."""
+    kda_norm_eps: float | None = None
+    """Epsilon of the gated output RMSNorm; None: 1e-5 (as fla)."""
+
+
+# the KDA options, their types and fla's defaults (None: the value head dim)
+KDA_OPTIONS = {"kda_gate_rank": (int, None), "kda_norm_eps": (float, 1e-5)}
+
+
+def kda_options(config, tp_size: int = 1, **given) -> dict:
+    """Each KDA option from ``given`` (the spec's params), else from the config's field of that name
+    (KDAConfig), else fla's default. ValueError naming the fix for an unknown option, a value that is
+    not a positive number, a gate rank the TP size does not divide, or a spec and a config that disagree."""
+    unknown = set(given) - set(KDA_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown KDA options {sorted(unknown)}: the options are {list(KDA_OPTIONS)}")
+    out = {}
+    for name, (kind, default) in KDA_OPTIONS.items():
+        spec_value, config_value = given.get(name), getattr(config, name, None)
+        if spec_value is not None and config_value is not None and spec_value != config_value:
+            raise ValueError(f"{name}: the layer spec says {spec_value}, the config {config_value}; set it in one "
+                             "place (the --spec name or --" + name.replace("_", "-") + ")")
+        value = spec_value if spec_value is not None else config_value
+        if value is not None:
+            ok = (isinstance(value, int) and not isinstance(value, bool) if kind is int
+                  else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+            if not ok or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a positive {kind.__name__}")
+        out[name] = value if value is not None else default
+    rank = out["kda_gate_rank"]
+    if rank is not None and rank % tp_size:
+        raise ValueError(f"kda_gate_rank={rank} must be divisible by the tensor-parallel size {tp_size}: "
+                         "set kda_gate_rank to a multiple of it")
+    return out
 
 
 @dataclass
@@ -56,7 +91,7 @@ class GatedRMSNorm(torch.nn.Module):
 
 class KCPKimiDeltaAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: KDASubmodules, layer_number: int = 1,
-                 pg_collection=None, **kwargs):
+                 pg_collection=None, kda_gate_rank: int | None = None, kda_norm_eps: float | None = None, **kwargs):
         super().__init__(config)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -75,11 +110,12 @@ class KCPKimiDeltaAttention(MegatronModule):
         if max(self.K, self.V) > MAX_HEAD_DIM:
             raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}: "
                              "use more heads of a smaller head dim")
-        rank = getattr(config, "kda_gate_rank", None) or self.V
+        self.options = kda_options(config, tp, kda_gate_rank=kda_gate_rank, kda_norm_eps=kda_norm_eps)
+        rank, eps = self.options["kda_gate_rank"] or self.V, self.options["kda_norm_eps"]
+        self.gate_rank = rank
         if rank % tp:
-            raise ValueError(f"kda_gate_rank={rank} must be divisible by the tensor-parallel size {tp}: "
-                             "set kda_gate_rank to a multiple of it")
-        eps = getattr(config, "kda_norm_eps", 1e-5)
+            raise ValueError(f"kda_gate_rank={rank} (the value head dim) must be divisible by the tensor-parallel "
+                             f"size {tp}: set kda_gate_rank to a multiple of it")
         self.h_loc, self.hv_loc = self.H // tp, self.HV // tp
 
         # the second low-rank factors read the gathered rank-r activations, whose sequence is
@@ -159,6 +195,8 @@ class KCPKimiDeltaAttention(MegatronModule):
         s, bsz = q.shape[:2]
         cp_group = self.pg_collection.cp
         plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group)
+        announce(self, plan, q, packed_seq_params, self.pg_collection.tp.size(),
+                 kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
         T = bsz * s
 
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]

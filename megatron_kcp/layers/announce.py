@@ -1,0 +1,33 @@
+"""The line that says a run trains with KCP, printed once, on global rank 0, at the first forward of a
+KCP mixer:
+
+    [megatron_kcp] KCP active: KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout zigzag_per_doc
+    ([s, b] rows), kernels fla, layers local
+
+An unmodified Megatron-LM that cannot import a ``--spec`` logs the error and trains its default GPT:
+without this line, a run is not using the KCP mixers. Under pipeline parallelism rank 0 holds the
+first stage; a first stage without any KCP layer prints nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_kcp.te import te_available
+
+_announced = False
+
+
+def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int = 1, **options):
+    """Print the line if this process has not yet (call at the start of each forward)."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+    extra = "".join(f", {k}={v}" for k, v in options.items())
+    print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
+          f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
+          f"({'THD packed documents' if thd else '[s, b] rows'}), kernels {'fla' if x.is_cuda else 'reference'}, "
+          f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)
