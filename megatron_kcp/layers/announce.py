@@ -2,7 +2,7 @@
 KCP mixer:
 
     [megatron_kcp] KCP active: KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout zigzag_per_doc
-    ([s, b] rows), kernels fla, layers local
+    ([s, b] rows), exchange relay, kernels fla, layers local
 
 An unmodified Megatron-LM that cannot import a ``--spec`` logs the error and trains its default GPT:
 without this line, a run is not using the KCP mixers. Under pipeline parallelism rank 0 holds the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_kcp.parallel.strategy import choose
 from megatron_kcp.te import te_available
 
 _announced = False
@@ -29,5 +30,7 @@ def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int 
     extra = "".join(f", {k}={v}" for k, v in options.items())
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
-          f"({'THD packed documents' if thd else '[s, b] rows'}), kernels {'fla' if x.is_cuda else 'reference'}, "
+          f"({'THD packed documents' if thd else '[s, b] rows'}), "
+          f"exchange {choose(plan, -1, -1) if plan.world_size > 1 else 'none'}, "
+          f"kernels {'fla' if x.is_cuda else 'reference'}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)
