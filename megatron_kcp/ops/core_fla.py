@@ -88,12 +88,20 @@ class _Core:
         return [None if x is None else x[:, a:b] for x in xs], dict(cu_seqlens=cu, chunk_indices=ci)
 
     @staticmethod
-    def _l2(q, k, l2):
-        if not l2:
-            return q, k, None, None
-        from fla.modules.norm.l2norm import l2norm_fwd
-        (q, qr), (k, kr) = l2norm_fwd(q), l2norm_fwd(k)
-        return q, k, qr, kr
+    def _inputs(q, k, v, g, beta, plan, l2):
+        """What both models do first: contiguous inputs, l2norm of q and k (with its rstd for the
+        backward), the chunk-local gate cumsum in log2 units (fla's kernels use exp2), the stream's
+        cu_seqlens and chunk indices."""
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        qr = kr = None
+        if l2:
+            from fla.modules.norm.l2norm import l2norm_fwd
+            (q, qr), (k, kr) = l2norm_fwd(q), l2norm_fwd(k)
+        _, _, cu, ci = _ranges(plan, 0, plan.num_segments, str(q.device))
+        gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+        return q, k, v, gc, beta, qr, kr, dict(cu_seqlens=cu, chunk_indices=ci)
 
     def finish(self, P: Prepared, grads):
         """Input gradients from those of the prepared tensors (the l2norm's backward)."""
@@ -110,15 +118,10 @@ class GDNCore(_Core):
 
     def prepare(self, q, k, v, g, beta, plan, scale, l2) -> Prepared:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        q, k, qr, kr = self._l2(q, k, l2)
-        _, _, cu, ci = _ranges(plan, 0, plan.num_segments, str(q.device))
-        gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
-        w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_indices=ci,
-                                                   chunk_size=CHUNK)
-        return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, l2, fwd=(w, u))
+        *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
+        q, k, v, gc, beta = saved[:5]
+        w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=CHUNK, **kw)
+        return Prepared((*saved, A), plan, scale, l2, fwd=(w, u))
 
     def state(self, P, lo, hi, h0):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -179,15 +182,11 @@ class KDACore(_Core):
 
     def prepare(self, q, k, v, g, beta, plan, scale, l2) -> Prepared:
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        q, k, qr, kr = self._l2(q, k, l2)
-        _, _, cu, ci = _ranges(plan, 0, plan.num_segments, str(q.device))
-        gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu,
-                                                    chunk_size=CHUNK, chunk_indices=ci)
-        return Prepared((q, k, v, gc, beta, qr, kr, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg))
+        *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
+        q, k, v, gc, beta = saved[:5]
+        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, chunk_size=CHUNK,
+                                                    **kw)
+        return Prepared((*saved, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg))
 
     def state(self, P, lo, hi, h0):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
