@@ -31,6 +31,6 @@ def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int 
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
           f"({'THD packed documents' if thd else '[s, b] rows'}), "
-          f"exchange {choose(plan, -1, -1) if plan.world_size > 1 else 'none'}, "
+          f"exchange {choose(plan) if plan.world_size > 1 else 'none'}, "
           f"kernels {'fla' if x.is_cuda else 'reference'}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)

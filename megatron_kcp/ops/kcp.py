@@ -113,7 +113,7 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = choose(plan, q.shape[2] if g.dim() == 3 else -1, q.shape[-1]) if strategy == "auto" else strategy
+    name = choose(plan) if strategy == "auto" else strategy
     return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
                              _core(_backend(backend, q), g), Relay() if name == "relay" else AllGather())
 

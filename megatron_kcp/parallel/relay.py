@@ -69,7 +69,7 @@ def phases(plan: KCPPlan, backward: bool) -> tuple[tuple[Phase, ...], bool]:
                        *spans[k]) for k in stages), False
 
 
-def _by_peer(plan: KCPPlan, segs, links):
+def _by_peer(segs, links):
     """{peer rank: [local segments]} in the peer's segment order, which both sides agree on."""
     out = {}
     for i in sorted(segs, key=lambda i: links[i][1]):
@@ -77,10 +77,10 @@ def _by_peer(plan: KCPPlan, segs, links):
     return out
 
 
-def _receive(p2p: P2P, plan, segs, links, into: torch.Tensor):
+def _receive(p2p: P2P, segs, links, into: torch.Tensor):
     """Post the receives of ``segs`` (from the ranks ``links`` names); calling the result waits for
     them and fills their rows of ``into``."""
-    groups = _by_peer(plan, segs, links)
+    groups = _by_peer(segs, links)
     bufs = {peer: into.new_empty(len(s), *into.shape[1:]) for peer, s in groups.items()}
     pending = p2p.recv(bufs)
 
@@ -91,8 +91,8 @@ def _receive(p2p: P2P, plan, segs, links, into: torch.Tensor):
     return arrived
 
 
-def _send(p2p: P2P, plan, segs, links, rows: torch.Tensor, lo: int) -> None:
-    p2p.send({peer: rows[[i - lo for i in s]] for peer, s in _by_peer(plan, segs, links).items()})
+def _send(p2p: P2P, segs, links, rows: torch.Tensor, lo: int) -> None:
+    p2p.send({peer: rows[[i - lo for i in s]] for peer, s in _by_peer(segs, links).items()})
 
 
 class Relay:
@@ -104,14 +104,14 @@ class Relay:
         steps, covering = phases(plan, backward=False)
         p2p, outs = P2P(group), []
         for k, ph in enumerate(steps):
-            _receive(p2p, plan, ph.recv, plan.pred, h0)()
+            _receive(p2p, ph.recv, plan.pred, h0)()
             if covering and k < len(steps) - 1:
                 if ph.send:
                     _, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
-                    _send(p2p, plan, ph.send, plan.succ, ht, ph.lo)
+                    _send(p2p, ph.send, plan.succ, ht, ph.lo)
                 continue
             st, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
-            _send(p2p, plan, ph.send, plan.succ, ht, ph.lo)
+            _send(p2p, ph.send, plan.succ, ht, ph.lo)
             outs.append((ph.lo, core.output(P, ph.lo, ph.hi, st)))
         p2p.finish()
         return _assemble(outs), None
@@ -123,21 +123,21 @@ class Relay:
         p2p, outs = P2P(group), []
         dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
         for k, ph in enumerate(steps):
-            arriving = _receive(p2p, plan, ph.recv, plan.succ, dht)
+            arriving = _receive(p2p, ph.recv, plan.succ, dht)
             lo, hi = ph.lo, ph.hi
             if covering and k < len(steps) - 1:
                 if ph.send:
                     bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
                     arriving()
                     _, d = core.backward_state(P, bpre, dht[lo:hi])
-                    _send(p2p, plan, ph.send, plan.pred, d, lo)
+                    _send(p2p, ph.send, plan.pred, d, lo)
                 else:
                     arriving()
                 continue
             bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
             arriving()
             bst, d = core.backward_state(P, bpre, dht[lo:hi])
-            _send(p2p, plan, ph.send, plan.pred, d, lo)
+            _send(p2p, ph.send, plan.pred, d, lo)
             dh0[lo:hi] = d
             outs.append((lo, core.backward_rest(P, lo, hi, bst)))
         p2p.finish()
