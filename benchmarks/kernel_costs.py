@@ -51,17 +51,19 @@ def case(model, T, docs, H, args, rows):
     h0 = xs[0].new_zeros(n, H, 128, 128, dtype=torch.float32)
     scale = 128 ** -0.5
     P = core.prepare(*xs, plan, scale, True)
-    st, _ = core.state(P, 0, n, h0)
-    bpre = core.backward_prepare(P, 0, n, h0, do)
-    bst, _ = core.backward_state(P, bpre, h0)
+    segs = range(n)
+    st = core.states(P)
+    core.state(P, st, segs, h0)
+    B = core.backward_prepare(P, 0, n, h0, do)
+    core.backward_state(P, B, segs, h0)
     steps = {
         "prepare": lambda: core.prepare(*xs, plan, scale, True),
-        "state": lambda: core.state(P, 0, n, h0),
-        "output": lambda: core.output(P, 0, n, st),
-        "maps": lambda: core.maps(P, 0, n),
+        "state": lambda: core.state(P, st, segs, h0),
+        "output": lambda: core.output(P, st, 0, n),
+        "maps": lambda: core.maps(P, segs),
         "backward_prepare": lambda: core.backward_prepare(P, 0, n, h0, do),
-        "backward_state": lambda: core.backward_state(P, bpre, h0),
-        "backward_rest": lambda: core.backward_rest(P, 0, n, bst),
+        "backward_state": lambda: core.backward_state(P, B, segs, h0),
+        "backward_rest": lambda: core.backward_rest(P, B),
         "copy_T_H_K": lambda: xs[0].index_select(1, torch.arange(T, device="cuda")),
     }
     cu_dev, cu_cpu = torch.tensor(cu, device="cuda"), torch.tensor(cu)

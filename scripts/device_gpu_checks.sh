@@ -23,7 +23,7 @@ suite() {   # name, pytest args...
   timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 }
-suite ops_w1 tests/parallel/test_kcp_gpu.py -k fla_matches &
+suite ops_w1 tests/parallel/test_kcp_gpu.py -k "fla_matches or scattered" &
 suite ops_w2 tests/parallel/test_kcp_gpu.py -k "single_gpu and 2]" &
 suite ops_w4 tests/parallel/test_kcp_gpu.py -k "single_gpu and 4]" &
 suite layers_w2 tests/layers/test_layers_gpu.py -k "2-1-False" &

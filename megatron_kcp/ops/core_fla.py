@@ -2,11 +2,11 @@
 
 The same steps fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` run, cut where the exchange
 strategies need them (``core_reference`` documents the methods): ``prepare`` (l2norm, gate cumsum,
-the WY form: everything that needs no state) over the whole local stream once; then, on a range
-of local segments (varlen, one launch for all its documents), the state pass with per-segment
-initial states, the output, fla's CP pre-process for transition maps, and the backward cut around
-the state-gradient pass: what does not need the incoming gradient runs while it travels, and a
-relay sends the outgoing gradient on before the rest of the backward.
+the WY form: everything that needs no state) over the whole local stream once; the state pass on
+any set of segments (one launch of fla's kernel for a scattered set, ``Selection``), into buffers
+of the whole stream; the output on a range of segments (varlen, one launch for all its documents);
+fla's CP pre-process for the transition maps of any set; and the backward cut around the
+state-gradient pass, so that what does not need the incoming gradient runs while it travels.
 The short conv runs fla's varlen conv with each piece's halo as that segment's initial state.
 """
 from __future__ import annotations
@@ -67,6 +67,84 @@ def _ranges(plan: KCPPlan, lo: int, hi: int, device: str):
     return a, b, cu, prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cpu)
 
 
+@functools.lru_cache(maxsize=256)
+def _chunk_offsets(plan: KCPPlan, lo: int, hi: int) -> tuple[int, ...]:
+    """First chunk of each segment of [lo, hi], and the end, in the range's chunk order (fla's chunk indices)."""
+    out = [0]
+    for a, b in zip(plan.cu_seqlens[lo:hi], plan.cu_seqlens[lo + 1:hi + 1]):
+        out.append(out[-1] + -(-(b - a) // CHUNK))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """cu_seqlens and chunk offsets that make one launch of fla's sequence-grid kernels (one program
+    per sequence and head: the state pass, the state-gradient pass, the CP maps) run on a subset of
+    the segments [lo, hi), in place in the range's buffers. The chosen segments are listed last to
+    first, so every pair of cu_seqlens between two of them runs backwards (end before start), and
+    the kernels' chunk loops skip it: those programs only copy their (zero) initial state to their
+    own row of the final state. ``rows``: the programs of the chosen segments, in their order."""
+    cu: torch.Tensor
+    offsets: torch.Tensor
+    rows: torch.Tensor | None          # None: every segment of the range, in order (no gaps)
+    num_programs: int
+
+
+@functools.lru_cache(maxsize=256)
+def _selection(plan: KCPPlan, lo: int, hi: int, segs: tuple[int, ...], device: str) -> Selection:
+    a = plan.cu_seqlens[lo]
+    off = _chunk_offsets(plan, lo, hi)
+    if segs == tuple(range(lo, hi)):
+        cu, offsets, rows = [c - a for c in plan.cu_seqlens[lo:hi + 1]], list(off[:-1]), None
+    else:
+        cu, offsets = [], []
+        for s in reversed(segs):
+            cu += [plan.cu_seqlens[s] - a, plan.cu_seqlens[s + 1] - a]
+            offsets += [off[s - lo], 0]
+        offsets.pop()
+        rows = torch.arange(2 * len(segs) - 2, -1, -2, device=device)
+    t = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return Selection(t(cu), t(offsets), rows, len(cu) - 1)
+
+
+def _spread(x: torch.Tensor, sel: Selection) -> torch.Tensor:
+    """Rows of the chosen segments -> one row per program (zeros between)."""
+    if sel.rows is None:
+        return x.contiguous()
+    out = x.new_zeros(sel.num_programs, *x.shape[1:])
+    out[sel.rows] = x
+    return out
+
+
+def _pick(x: torch.Tensor, sel: Selection) -> torch.Tensor:
+    return x if sel.rows is None else x[sel.rows]
+
+
+def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new) -> torch.Tensor:
+    """fla's forward state pass on the selected segments, writing their chunk states ``h`` and new
+    values ``v_new`` in place; returns their final states."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
+    H, K, HV, V = *k.shape[2:], *u.shape[2:]
+    ht = h0.new_empty(sel.num_programs, HV, K, V)
+    kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
+        k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=_spread(h0, sel), ht=ht, cu_seqlens=sel.cu,
+        chunk_offsets=sel.offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=CHUNK, STATE_V_FIRST=False)
+    return _pick(ht, sel)
+
+
+def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale) -> torch.Tensor:
+    """fla's state-gradient pass on the selected segments, writing their chunk state gradients ``dh``
+    and value gradients ``dv2`` in place; returns the gradients of their initial states."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
+    H, K, HV, V = *q.shape[2:], *do.shape[2:]
+    dh0 = dht.new_empty(sel.num_programs, HV, K, V)
+    kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
+        q=q, k=k, w=w, g=g, gk=gk, dht=_spread(dht, sel), dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
+        cu_seqlens=sel.cu, chunk_offsets=sel.offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V,
+        BT=CHUNK, STATE_V_FIRST=False)
+    return _pick(dh0, sel)
+
+
 @dataclass
 class Prepared:
     saved: tuple          # what the backward keeps (see each core's prepare)
@@ -79,6 +157,26 @@ class Prepared:
         return self.saved
 
 
+@dataclass
+class States:
+    """The forward state pass's results over the whole local stream, filled segment set by segment set."""
+    h: torch.Tensor       # [1, chunks, HV, K, V] chunk-start states
+    v_new: torch.Tensor   # [1, T, HV, V]
+
+
+@dataclass
+class Backward:
+    """One range's backward: what ``backward_prepare`` computed, and the buffers the state-gradient
+    passes fill."""
+    lo: int
+    hi: int
+    xs: tuple             # the range's prepared tensors and recomputed forward
+    dh: torch.Tensor      # [1, chunks, HV, K, V]
+    dv: torch.Tensor      # the local value gradient (input of the state-gradient pass)
+    dv2: torch.Tensor     # ... and with the state's share (its output)
+    kw: dict
+
+
 class _Core:
     def restore(self, saved, plan, scale, l2) -> Prepared:
         return Prepared(tuple(saved), plan, scale, l2)
@@ -86,6 +184,33 @@ class _Core:
     def cut(self, P: Prepared, lo, hi, *xs):
         a, b, cu, ci = _ranges(P.plan, lo, hi, str(xs[0].device))
         return [None if x is None else x[:, a:b] for x in xs], dict(cu_seqlens=cu, chunk_indices=ci)
+
+    def states(self, P: Prepared) -> States:
+        u = P.fwd[1]
+        n = P.plan.num_segments
+        NT = _chunk_offsets(P.plan, 0, n)[-1]
+        return States(u.new_empty(1, NT, u.shape[2], P.saved[1].shape[3], u.shape[3]), torch.empty_like(u))
+
+    def _state_inputs(self, P):
+        """(k, w, u, g, gk) of the state pass."""
+        raise NotImplementedError
+
+    def state(self, P: Prepared, st: States, segs, h0):
+        """Final states ``[len(segs), HV, K, V]`` of ``segs`` (sorted local segments) from their
+        initial states ``h0``; their chunk states go into ``st``."""
+        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(h0.device))
+        return state_pass(sel, *self._state_inputs(P), h0, st.h, st.v_new)
+
+    def _h_range(self, P, lo, hi, x):
+        off = _chunk_offsets(P.plan, 0, P.plan.num_segments)
+        return x[:, off[lo]:off[hi]]
+
+    def backward_state(self, P: Prepared, B: Backward, segs, dht):
+        """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi))
+        from their final-state gradients ``dht``; their chunk state gradients go into ``B``."""
+        sel = _selection(P.plan, B.lo, B.hi, tuple(segs), str(dht.device))
+        q, k, w, g, gk, do = self._grad_inputs(B)
+        return state_grad_pass(sel, q, k, w, g, gk, do, B.dv, dht, B.dh, B.dv2, P.scale)
 
     @staticmethod
     def _inputs(q, k, v, g, beta, plan, l2):
@@ -123,29 +248,25 @@ class GDNCore(_Core):
         w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=CHUNK, **kw)
         return Prepared((*saved, A), plan, scale, l2, fwd=(w, u))
 
-    def state(self, P, lo, hi, h0):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        (k, w, u, g), kw = self.cut(P, lo, hi, P.saved[1], *P.fwd, P.saved[3])
-        h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
-                                                    **kw)
-        return (h, v_new), ht
+    def _state_inputs(self, P):
+        return P.saved[1], *P.fwd, P.saved[3], None
 
-    def output(self, P, lo, hi, st):
+    def output(self, P, st: States, lo, hi):
         from fla.ops.common.chunk_o import chunk_fwd_o
-        (q, k, g), kw = self.cut(P, lo, hi, P.saved[0], P.saved[1], P.saved[3])
-        h, v_new = st
-        return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=P.scale, **kw).to(q.dtype)
+        (q, k, g, v_new), kw = self.cut(P, lo, hi, P.saved[0], P.saved[1], P.saved[3], st.v_new)
+        return chunk_fwd_o(q=q, k=k, v=v_new, h=self._h_range(P, lo, hi, st.h), g=g, scale=P.scale,
+                           **kw).to(q.dtype)
 
-    def maps(self, P, lo, hi):
+    def maps(self, P, segs):
         from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
-        (k, w, u, g), kw = self.cut(P, lo, hi, P.saved[1], *P.fwd, P.saved[3])
-        HV, K, V = u.shape[2], k.shape[3], u.shape[3]
-        hm = k.new_zeros(hi - lo, HV, K, V + K, dtype=torch.float32)
-        chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g, cu_seqlens=kw["cu_seqlens"], chunk_size=CHUNK, multi_seqs=True)
-        return hm
+        k, w, u, g, _ = self._state_inputs(P)
+        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(k.device))
+        hm = k.new_zeros(sel.num_programs, u.shape[2], k.shape[3], u.shape[3] + k.shape[3], dtype=torch.float32)
+        chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g, cu_seqlens=sel.cu, chunk_size=CHUNK, multi_seqs=True)
+        return _pick(hm, sel)
 
-    def backward_prepare(self, P, lo, hi, h0, do):
-        """What the state-gradient pass needs and the incoming gradient does not change."""
+    def backward_prepare(self, P, lo, hi, h0, do) -> Backward:
+        """What the state-gradient passes need and the incoming gradients do not change."""
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
@@ -154,23 +275,21 @@ class GDNCore(_Core):
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False,
                                                    **kw)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=P.scale, **kw)
-        return q, k, g, w, h, v_new, dv, do, h0, kw
+        return Backward(lo, hi, (q, k, w, g, do, h, v_new), torch.empty_like(h), dv, torch.empty_like(dv), kw)
 
-    def backward_state(self, P, bpre, dht):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-        q, k, g, w, h, v_new, dv, do, h0, kw = bpre
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=h0, dht=dht, do=do, dv=dv,
-                                                     scale=P.scale, **kw)
-        return (w, h, v_new, dh, dv, do), dh0
+    def _grad_inputs(self, B):
+        q, k, w, g, do = B.xs[:5]
+        return q, k, w, g, None, do
 
-    def backward_rest(self, P, lo, hi, bst):
+    def backward_rest(self, P, B: Backward):
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
         from fla.ops.utils import chunk_local_cumsum
-        (q, k, v, g, beta, A), kw = self.cut(P, lo, hi, *P.saved[:5], P.saved[7])
-        w, h, v_new, dh, dv, do = bst
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=P.scale, **kw)
-        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **kw)
+        (q, k, v, g, beta, A), kw = self.cut(P, B.lo, B.hi, *P.saved[:5], P.saved[7])
+        _, _, w, _, do, h, v_new = B.xs
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=B.dv2, do=do, dh=B.dh, scale=P.scale,
+                                         **kw)
+        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=B.dv2, **kw)
         dk.add_(dk2)
         dg.add_(dg2)
         dg = chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **kw)
@@ -188,28 +307,24 @@ class KDACore(_Core):
                                                     **kw)
         return Prepared((*saved, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg))
 
-    def state(self, P, lo, hi, h0):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        (kg, w, u, g), kw = self.cut(P, lo, hi, P.fwd[2], P.fwd[0], P.fwd[1], P.saved[3])
-        h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=h0, output_final_state=True,
-                                                    **kw)
-        return (h, v_new), ht
+    def _state_inputs(self, P):
+        return P.fwd[2], P.fwd[0], P.fwd[1], None, P.saved[3]
 
-    def output(self, P, lo, hi, st):
+    def output(self, P, st: States, lo, hi):
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        (q, g, Aqk), kw = self.cut(P, lo, hi, P.saved[0], P.saved[3], P.saved[7])
-        h, v_new = st
-        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=h, scale=P.scale, chunk_size=CHUNK, **kw).to(q.dtype)
+        (q, g, Aqk, v_new), kw = self.cut(P, lo, hi, P.saved[0], P.saved[3], P.saved[7], st.v_new)
+        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=self._h_range(P, lo, hi, st.h), scale=P.scale,
+                                  chunk_size=CHUNK, **kw).to(q.dtype)
 
-    def maps(self, P, lo, hi):
+    def maps(self, P, segs):
         from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
-        (kg, w, u, g), kw = self.cut(P, lo, hi, P.fwd[2], P.fwd[0], P.fwd[1], P.saved[3])
-        HV, K, V = u.shape[2], kg.shape[3], u.shape[3]
-        hm = kg.new_zeros(hi - lo, HV, K, V + K, dtype=torch.float32)
-        chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=g, cu_seqlens=kw["cu_seqlens"], chunk_size=CHUNK, multi_seqs=True)
-        return hm
+        kg, w, u, _, g = self._state_inputs(P)
+        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(kg.device))
+        hm = kg.new_zeros(sel.num_programs, u.shape[2], kg.shape[3], u.shape[3] + kg.shape[3], dtype=torch.float32)
+        chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=g, cu_seqlens=sel.cu, chunk_size=CHUNK, multi_seqs=True)
+        return _pick(hm, sel)
 
-    def backward_prepare(self, P, lo, hi, h0, do):
+    def backward_prepare(self, P, lo, hi, h0, do) -> Backward:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
         from fla.ops.kda.wy_fast import recompute_w_u_fwd
@@ -218,23 +333,20 @@ class KDACore(_Core):
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=h0, output_final_state=False,
                                                    **kw)
         dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=P.scale, chunk_size=CHUNK, **kw)
-        return qg, kg, w, g, h, v_new, dv, dAqk, do, h0, kw
+        return Backward(lo, hi, (qg, kg, w, g, do, h, v_new, dAqk), torch.empty_like(h), dv, torch.empty_like(dv), kw)
 
-    def backward_state(self, P, bpre, dht):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-        qg, kg, w, g, h, v_new, dv, dAqk, do, h0, kw = bpre
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=g, h0=h0, dht=dht, do=do, dv=dv,
-                                                     scale=P.scale, chunk_size=CHUNK, **kw)
-        return (h, v_new, dh, dv, dAqk, do), dh0
+    def _grad_inputs(self, B):
+        qg, kg, w, g, do = B.xs[:5]
+        return qg, kg, w, None, g, do
 
-    def backward_rest(self, P, lo, hi, bst):
+    def backward_rest(self, P, B: Backward):
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
         from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
         from fla.ops.utils import chunk_local_cumsum
-        (q, k, v, g, beta, Akk), kw = self.cut(P, lo, hi, *P.saved[:5], P.saved[8])
-        h, v_new, dh, dv, dAqk, do = bst
+        (q, k, v, g, beta, Akk), kw = self.cut(P, B.lo, B.hi, *P.saved[:5], P.saved[8])
+        *_, do, h, v_new, dAqk = B.xs
         dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=Akk,
-                                                               h=h, do=do, dh=dh, dv=dv, scale=P.scale,
+                                                               h=h, do=do, dh=B.dh, dv=B.dv2, scale=P.scale,
                                                                chunk_size=CHUNK, **kw)
         dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
                                              dg=dg, chunk_size=CHUNK, **kw)

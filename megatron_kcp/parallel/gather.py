@@ -41,54 +41,59 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     out[[c.segment for c in chains]] = S
 
 
-def _span(segs):
-    return (min(segs), max(segs) + 1) if segs else (0, 0)
-
-
 class AllGather:
     name = "gather"
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
         the backward's export); fills ``h0`` with the folded states."""
-        n = plan.num_segments
+        n, st, M, done = plan.num_segments, core.states(P), None, []
         if not plan.is_local:
             HV, K, V = h0.shape[1:]
             slot = {s: j for j, s in enumerate(plan.send_fwd)}
             buf = h0.new_zeros(plan.num_slots_fwd, HV, K, V + K)
-            starts = [s for s in plan.send_fwd if plan.pred[s] is None]
+            # a segment that starts its sequence knows its initial state: its pass is final
+            done = [s for s in plan.send_fwd if plan.pred[s] is None]
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
-            if starts:
-                lo, hi = _span(starts)
-                _, ht = core.state(P, lo, hi, h0[lo:hi])
-                buf[[slot[s] for s in starts], ..., :V] = ht[[s - lo for s in starts]]
-            M = None
+            if done:
+                buf[[slot[s] for s in done], ..., :V] = core.state(P, st, done, h0[done])
             if middle:
-                lo, hi = _span(middle)
-                maps = core.maps(P, lo, hi)[[s - lo for s in middle]]
+                maps = core.maps(P, middle)
                 buf[[slot[s] for s in middle]] = maps
-                M = maps[..., V:]
+                M = maps[..., V:].contiguous()
             fold(all_gather(buf, group), plan.recv_fwd, h0)
-        else:
-            M = None
-        st, _ = core.state(P, 0, n, h0)
-        return core.output(P, 0, n, st), M
+        rest = _others(n, done)
+        if rest:
+            core.state(P, st, rest, h0[rest])
+        return core.output(P, st, 0, n), M
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, M):
-        n = plan.num_segments
-        dht = torch.zeros_like(h0)
+        n, done = plan.num_segments, []
+        B = core.backward_prepare(P, 0, n, h0, do)
+        dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
         if not plan.is_local:
             HV, K, V = h0.shape[1:]
             buf = h0.new_zeros(plan.num_slots_bwd, HV, K, V + K)
-            if plan.send_bwd:
-                lo, hi = _span(plan.send_bwd)
-                _, dH = core.backward_state(P, core.backward_prepare(P, lo, hi, h0[lo:hi], do), dht[lo:hi])
-                buf[:len(plan.send_bwd), ..., :V] = dH[[s - lo for s in plan.send_bwd]]
+            send = list(plan.send_bwd)
+            if send:
+                dH = core.backward_state(P, B, send, dht[send])
+                buf[:len(send), ..., :V] = dH
+                # a segment that ends its sequence has a zero final-state gradient: its pass is final
+                ends = [j for j, s in enumerate(send) if plan.succ[s] is None]
+                done = [send[j] for j in ends]
+                dh0[done] = dH[ends]
             # segments that also export forward continue their sequence both ways: their M^T folds
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
-            slot = {s: j for j, s in enumerate(plan.send_bwd)}
+            slot = {s: j for j, s in enumerate(send)}
             if middle:
                 buf[[slot[s] for s in middle], ..., V:] = M.transpose(-1, -2)
             fold(all_gather(buf, group), plan.recv_bwd, dht)
-        bst, dh0 = core.backward_state(P, core.backward_prepare(P, 0, n, h0, do), dht)
-        return core.backward_rest(P, 0, n, bst), dh0
+        rest = _others(n, done)
+        if rest:
+            dh0[rest] = core.backward_state(P, B, rest, dht[rest])
+        return core.backward_rest(P, B), dh0
+
+
+def _others(n, done):
+    done = set(done)
+    return [i for i in range(n) if i not in done]

@@ -2,17 +2,18 @@
 
 A sequence cut into pieces over several ranks is a chain; the rank holding a piece runs its state
 pass once the state of the piece before it has arrived, and sends its own final state on. The
-backward runs the chain the other way with state gradients. Every segment computes exactly once
-and nothing but true K x V states crosses a rank, so the price is latency: the state passes
-(forward) and state-gradient passes (backward) of one sequence run one rank after another. The
-kernels of one step (state, output, backward) cover every document of a phase at once.
+backward runs the chain the other way with state gradients. Every segment's state pass runs
+exactly once and nothing but true K x V states crosses a rank, so the price is latency: the state
+passes (forward) and state-gradient passes (backward) of one sequence run one rank after another.
+The kernels of one step cover every document of a phase at once.
 
 Phases: a rank's segments grouped by their position along their sequence (forward) or from its
 end (backward). When the phases' segments form disjoint ranges of the local stream (contiguous
-and zigzag layouts), each phase runs the whole pass on its range and sends as soon as its state
-pass is done. When they interleave (per-document zigzag: [front, back] per document), the early
-phases run only the state pass over the range they span (the segments of later phases in it get
-a wrong, discarded state) and the last phase runs the whole pass over everything.
+and zigzag layouts), each phase runs the whole step on its range (state, output; backward: prepare,
+state gradient, rest) and sends as soon as its state pass is done, so the rest of its work
+overlaps the transfer. When they interleave (per-document zigzag: [front, back] per document),
+each phase runs only the state (gradient) pass of its own segments, one launch for the scattered
+set, and the rest of the step runs once over the whole stream.
 """
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ from megatron_kcp.parallel.plan import KCPPlan
 class Phase:
     recv: tuple[int, ...]        # segments whose incoming state (gradient) arrives in this phase
     send: tuple[int, ...]        # segments whose outgoing state (gradient) leaves in this phase
-    lo: int                      # segments [lo, hi) computed in this phase
-    hi: int
+    segs: tuple[int, ...]        # segments whose state (gradient) pass runs in this phase, sorted
+    span: tuple[int, int] | None  # split mode: the range [lo, hi) = segs that the phase runs whole
 
 
 @functools.lru_cache(maxsize=64)
-def phases(plan: KCPPlan, backward: bool) -> tuple[tuple[Phase, ...], bool]:
-    """(phases in execution order, covering): see the module docstring."""
+def phases(plan: KCPPlan, backward: bool) -> tuple[Phase, ...]:
+    """The phases in execution order: see the module docstring (split mode: every phase has a span)."""
     n = plan.num_segments
     before, after = (plan.succ, plan.pred) if backward else (plan.pred, plan.succ)
     key = {}
@@ -43,30 +44,26 @@ def phases(plan: KCPPlan, backward: bool) -> tuple[tuple[Phase, ...], bool]:
         if before[i] or after[i]:
             key[i] = plan.num_stages[i] - 1 - plan.stage[i] if backward else plan.stage[i]
     if not key:
-        return (Phase((), (), 0, n),), False
+        return (Phase((), (), tuple(range(n)), (0, n)),)
     groups = {}
     for i, k in key.items():
         groups.setdefault(k, []).append(i)
     stages = sorted(groups)
     spans = {k: [min(groups[k]), max(groups[k]) + 1] for k in stages}
     by_pos = sorted(stages, key=lambda k: spans[k][0])
-    covering = any(spans[a][1] > spans[b][0] for a, b in zip(by_pos, by_pos[1:]))
-    if covering:
-        # early phases: the span of what they send; the last phase: everything
-        out = []
-        for k in stages[:-1]:
-            send = tuple(i for i in groups[k] if after[i])
-            lo, hi = (min(send), max(send) + 1) if send else (0, 0)
-            out.append(Phase(tuple(i for i in groups[k] if before[i]), send, lo, hi))
-        last = groups[stages[-1]]
-        out.append(Phase(tuple(i for i in last if before[i]), tuple(i for i in last if after[i]), 0, n))
-        return tuple(out), True
+
+    def phase(k, segs, span=None):
+        return Phase(tuple(i for i in groups[k] if before[i]), tuple(i for i in groups[k] if after[i]),
+                     tuple(sorted(segs)), span)
+    if any(spans[a][1] > spans[b][0] for a, b in zip(by_pos, by_pos[1:])):
+        # interleaved: each phase its own segments; segments outside every chain join the last
+        alone = [i for i in range(n) if i not in key]
+        return tuple(phase(k, groups[k] + (alone if k == stages[-1] else [])) for k in stages)
     # disjoint spans: segments outside every span (whole local sequences) join the span before them
     for a, b in zip(by_pos, by_pos[1:]):
         spans[a][1] = spans[b][0]
     spans[by_pos[0]][0], spans[by_pos[-1]][1] = 0, n
-    return tuple(Phase(tuple(i for i in groups[k] if before[i]), tuple(i for i in groups[k] if after[i]),
-                       *spans[k]) for k in stages), False
+    return tuple(phase(k, range(*spans[k]), tuple(spans[k])) for k in stages)
 
 
 def _by_peer(segs, links):
@@ -91,8 +88,10 @@ def _receive(p2p: P2P, segs, links, into: torch.Tensor):
     return arrived
 
 
-def _send(p2p: P2P, segs, links, rows: torch.Tensor, lo: int) -> None:
-    p2p.send({peer: rows[[i - lo for i in s]] for peer, s in _by_peer(segs, links).items()})
+def _send(p2p: P2P, segs, links, rows: torch.Tensor, ph: Phase) -> None:
+    """Send the rows (one per segment of ``ph.segs``) of ``segs`` to the ranks ``links`` names."""
+    pos = {s: j for j, s in enumerate(ph.segs)}
+    p2p.send({peer: rows[[pos[i] for i in s]] for peer, s in _by_peer(segs, links).items()})
 
 
 class Relay:
@@ -101,45 +100,35 @@ class Relay:
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output of the local stream, nothing for the backward); fills ``h0`` (every segment's
         initial state) as states arrive."""
-        steps, covering = phases(plan, backward=False)
-        p2p, outs = P2P(group), []
-        for k, ph in enumerate(steps):
+        p2p, st, outs = P2P(group), core.states(P), []
+        for ph in phases(plan, backward=False):
             _receive(p2p, ph.recv, plan.pred, h0)()
-            if covering and k < len(steps) - 1:
-                if ph.send:
-                    _, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
-                    _send(p2p, ph.send, plan.succ, ht, ph.lo)
-                continue
-            st, ht = core.state(P, ph.lo, ph.hi, h0[ph.lo:ph.hi])
-            _send(p2p, ph.send, plan.succ, ht, ph.lo)
-            outs.append((ph.lo, core.output(P, ph.lo, ph.hi, st)))
+            _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0[list(ph.segs)]), ph)
+            if ph.span:
+                outs.append((ph.span[0], core.output(P, st, *ph.span)))
         p2p.finish()
-        return _assemble(outs), None
+        return _assemble(outs) if outs else core.output(P, st, 0, plan.num_segments), None
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, _=None):
         """(input gradients of the local stream, dh0 of every segment). Each phase prepares what does
-        not need the incoming state gradient while that is on its way."""
-        steps, covering = phases(plan, backward=True)
-        p2p, outs = P2P(group), []
+        not need the incoming state gradient while that is on its way (split mode), or the whole
+        stream is prepared first (interleaved)."""
+        steps = phases(plan, backward=True)
+        p2p, outs, n = P2P(group), [], plan.num_segments
         dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
-        for k, ph in enumerate(steps):
+        B = None if steps[0].span else core.backward_prepare(P, 0, n, h0, do)
+        for ph in steps:
             arriving = _receive(p2p, ph.recv, plan.succ, dht)
-            lo, hi = ph.lo, ph.hi
-            if covering and k < len(steps) - 1:
-                if ph.send:
-                    bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
-                    arriving()
-                    _, d = core.backward_state(P, bpre, dht[lo:hi])
-                    _send(p2p, ph.send, plan.pred, d, lo)
-                else:
-                    arriving()
-                continue
-            bpre = core.backward_prepare(P, lo, hi, h0[lo:hi], do)
+            if ph.span:
+                B = core.backward_prepare(P, *ph.span, h0[slice(*ph.span)], do)
             arriving()
-            bst, d = core.backward_state(P, bpre, dht[lo:hi])
-            _send(p2p, ph.send, plan.pred, d, lo)
-            dh0[lo:hi] = d
-            outs.append((lo, core.backward_rest(P, lo, hi, bst)))
+            segs = list(ph.segs)
+            dh0[segs] = d = core.backward_state(P, B, ph.segs, dht[segs])
+            _send(p2p, ph.send, plan.pred, d, ph)
+            if ph.span:
+                outs.append((ph.span[0], core.backward_rest(P, B)))
+        if not outs:
+            outs.append((0, core.backward_rest(P, B)))
         p2p.finish()
         return tuple(_assemble([(lo, g[j]) for lo, g in outs]) for j in range(len(outs[0][1]))), dh0
 

@@ -107,13 +107,15 @@ class NoExchange:
     name = "none"
 
     def forward(self, core, P, plan, group, h0):
-        st, _ = core.state(P, 0, plan.num_segments, h0)
-        return core.output(P, 0, plan.num_segments, st), None
+        n, st = plan.num_segments, core.states(P)
+        core.state(P, st, range(n), h0)
+        return core.output(P, st, 0, n), None
 
     def backward(self, core, P, plan, group, h0, do, _):
         n = plan.num_segments
-        bst, dh0 = core.backward_state(P, core.backward_prepare(P, 0, n, h0, do), torch.zeros_like(h0))
-        return core.backward_rest(P, 0, n, bst), dh0
+        B = core.backward_prepare(P, 0, n, h0, do)
+        dh0 = core.backward_state(P, B, range(n), torch.zeros_like(h0))
+        return core.backward_rest(P, B), dh0
 
 
 def _exchange_off():

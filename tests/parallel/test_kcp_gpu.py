@@ -97,6 +97,42 @@ def test_fla_matches_reference(kda, dtype):
     assert all(e <= tolerance(n, dtype, kda) for n, e in errs.items()), errs
 
 
+@needs_gpu
+@pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
+def test_scattered_segments_match_whole_stream(kda):
+    """The state, state-gradient and map passes on a scattered set of segments (one launch, fla's
+    sequence-grid kernels given the set last to first: core_fla.Selection) write exactly what the pass
+    over every segment writes for them: two complementary sets fill the same buffers bit for bit.
+    What runs after them on those buffers is compared with a rounding margin (atomics may reorder)."""
+    from megatron_kcp.ops import core_fla
+    gen = torch.Generator().manual_seed(3)
+    cu = (0, 100, 164, 165, 300, 301, 500, 620, 640, 900)
+    xs = random_inputs(gen, cu[-1], len(cu) - 1, H, HV, K, V, kda, dtype=torch.bfloat16, device="cuda")[:5]
+    do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", torch.bfloat16)
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    n = plan.num_segments
+    core = core_fla.core(kda=kda, device=xs[0].device)
+    P = core.prepare(*xs, plan, K ** -0.5, True)
+    h0 = torch.randn(n, HV, K, V, generator=gen).cuda() * 0.1
+    every, some = list(range(n)), [1, 2, 5, 8]
+    rest = [i for i in every if i not in some]
+    full, parts = core.states(P), core.states(P)
+    ht = core.state(P, full, every, h0)
+    ht_some = core.state(P, parts, some, h0[some])
+    core.state(P, parts, rest, h0[rest])
+    assert torch.equal(ht_some, ht[some]) and torch.equal(parts.h, full.h) and torch.equal(parts.v_new, full.v_new)
+    torch.testing.assert_close(core.output(P, parts, 0, n), core.output(P, full, 0, n), rtol=1e-5, atol=1e-5)
+    assert torch.equal(core.maps(P, some), core.maps(P, every)[some])
+    dht = torch.randn(n, HV, K, V, generator=gen).cuda() * 0.1
+    Bf, Bp = core.backward_prepare(P, 0, n, h0, do), core.backward_prepare(P, 0, n, h0, do)
+    dh0 = core.backward_state(P, Bf, every, dht)
+    dh0_some = core.backward_state(P, Bp, some, dht[some])
+    core.backward_state(P, Bp, rest, dht[rest])
+    assert torch.equal(dh0_some, dh0[some]) and torch.equal(Bp.dh, Bf.dh) and torch.equal(Bp.dv2, Bf.dv2)
+    for a, b in zip(core.backward_rest(P, Bp), core.backward_rest(P, Bf)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _errors(cp, oracle, single, plan, group):
     """CP against the oracle (the fp64 reference on one GPU), except the conv: against the one-GPU run in
     its own dtype, since CP runs the same conv kernel on the same tokens and only the halo can differ."""

@@ -42,21 +42,22 @@ def test_chains_single_sequence_zigzag():
 
 def test_relay_phases():
     from megatron_kcp.parallel.relay import phases
-    # zigzag: the two pieces of rank 0 are disjoint ranges, each a phase of its own
+
+    def rows(steps):
+        return [(s.recv, s.send, s.segs, s.span) for s in steps]
+    # zigzag: the two pieces of rank 0 are disjoint ranges, each a phase of its own run whole
     p0 = build_plan((0, 8), "zigzag", 2, 0)
-    steps, covering = phases(p0, backward=False)
-    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (0,), 0, 1), ((1,), (), 1, 2)]
-    steps, covering = phases(p0, backward=True)
-    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (1,), 1, 2), ((0,), (), 0, 1)]
-    # per-document zigzag interleaves [front, back] per document: early phases send only, the last runs all
+    assert rows(phases(p0, backward=False)) == [((), (0,), (0,), (0, 1)), ((1,), (), (1,), (1, 2))]
+    assert rows(phases(p0, backward=True)) == [((), (1,), (1,), (1, 2)), ((0,), (), (0,), (0, 1))]
+    # per-document zigzag interleaves [front, back] per document: each phase passes its own segments
+    # (no span: the rest of the step runs once over everything)
     p0 = build_plan((0, 8, 16), "zigzag_per_doc", 2, 0)
-    steps, covering = phases(p0, backward=False)
-    assert covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (0, 2), 0, 3), ((1, 3), (), 0, 4)]
+    assert rows(phases(p0, backward=False)) == [((), (0, 2), (0, 2), None), ((1, 3), (), (1, 3), None)]
+    assert rows(phases(p0, backward=True)) == [((), (1, 3), (1, 3), None), ((0, 2), (), (0, 2), None)]
     # a whole local document joins the phase whose range follows it: rank 0 holds [0, 3) and [9, 12),
     # segments [0, 2) (its own document), [2, 3) (on to rank 1) and [9, 12) (from rank 1)
     p0 = build_plan((0, 2, 6, 8, 12), "zigzag", 2, 0)
-    steps, covering = phases(p0, backward=False)
-    assert not covering and [(s.recv, s.send, s.lo, s.hi) for s in steps] == [((), (1,), 0, 2), ((2,), (), 2, 3)]
+    assert rows(phases(p0, backward=False)) == [((), (1,), (0, 1), (0, 2)), ((2,), (), (2,), (2, 3))]
 
 
 def test_rank_counts():
