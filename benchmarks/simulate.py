@@ -101,7 +101,8 @@ def rank_timeline(plan, xs, do, strategy: str, args) -> list[tuple]:
     leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
     backend = "fla" if do.is_cuda else "reference"
     runs = []
-    for i in range(args.warmup + args.iters):
+
+    def step():
         rec = Recorder(plan.world_size, do.is_cuda)
         with mock.patch.object(relay, "P2P", rec.p2p), mock.patch.object(gather, "all_gather", rec.all_gather):
             rec.mark("start")
@@ -109,7 +110,16 @@ def rank_timeline(plan, xs, do, strategy: str, args) -> list[tuple]:
             rec.mark("phase")
             torch.autograd.grad(o, leaves, dl)
             rec.mark("end")
-        runs.append((rec.points, rec.seconds()))
+        return rec.points, rec.seconds()
+    for i in range(args.warmup + args.iters):
+        runs.append(step())
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if do.is_cuda else [])) as prof:
+            step()
+        print(f"\n== rank {plan.rank} of W={plan.world_size}, {plan.layout}, {strategy}: one fwd+bwd", flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if do.is_cuda else "self_cpu_time_total",
+                                        row_limit=args.profile, max_name_column_width=70), flush=True)
     points, runs = runs[-1][0], runs[args.warmup:]
     if any(p != points for p, _ in runs):
         raise RuntimeError("the exchange points changed between iterations: the step is not deterministic")
@@ -207,6 +217,8 @@ def main(argv=None):
     p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
     p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
     p.add_argument("--csv", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also print each rank's kernel table (torch.profiler, one step), ROWS kernels")
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
     if args.smoke:                                    # tiny sizes where not given; 100 documents need more tokens

@@ -82,11 +82,12 @@ class Selection:
     per sequence and head: the state pass, the state-gradient pass, the CP maps) run on a subset of
     the segments [lo, hi), in place in the range's buffers. The chosen segments are listed last to
     first, so every pair of cu_seqlens between two of them runs backwards (end before start), and
-    the kernels' chunk loops skip it: those programs only copy their (zero) initial state to their
-    own row of the final state. ``rows``: the programs of the chosen segments, in their order."""
+    the kernels' chunk loops skip it: those programs only copy their initial state row (any row:
+    ``src`` points them at a real one, so no buffer is zero-filled) to their own final-state row."""
     cu: torch.Tensor
     offsets: torch.Tensor
-    rows: torch.Tensor | None          # None: every segment of the range, in order (no gaps)
+    src: torch.Tensor | None           # per program, its row among the range's segments (None: all, in order)
+    rows: torch.Tensor | None          # the programs of the chosen segments, in their order
     num_programs: int
 
 
@@ -95,29 +96,29 @@ def _selection(plan: KCPPlan, lo: int, hi: int, segs: tuple[int, ...], device: s
     a = plan.cu_seqlens[lo]
     off = _chunk_offsets(plan, lo, hi)
     if segs == tuple(range(lo, hi)):
-        cu, offsets, rows = [c - a for c in plan.cu_seqlens[lo:hi + 1]], list(off[:-1]), None
+        cu, offsets, src, rows = [c - a for c in plan.cu_seqlens[lo:hi + 1]], list(off[:-1]), None, None
     else:
-        cu, offsets = [], []
+        cu, offsets, src = [], [], []
         for s in reversed(segs):
             cu += [plan.cu_seqlens[s] - a, plan.cu_seqlens[s + 1] - a]
             offsets += [off[s - lo], 0]
+            src += [s - lo, s - lo]
         offsets.pop()
-        rows = torch.arange(2 * len(segs) - 2, -1, -2, device=device)
+        src.pop()
+        rows = list(range(2 * len(segs) - 2, -1, -2))
     t = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    return Selection(t(cu), t(offsets), rows, len(cu) - 1)
+    return Selection(t(cu), t(offsets), None if src is None else t(src), None if rows is None else t(rows),
+                     len(cu) - 1)
 
 
 def _spread(x: torch.Tensor, sel: Selection) -> torch.Tensor:
-    """Rows of the chosen segments -> one row per program (zeros between)."""
-    if sel.rows is None:
-        return x.contiguous()
-    out = x.new_zeros(sel.num_programs, *x.shape[1:])
-    out[sel.rows] = x
-    return out
+    """Rows of the range's segments -> one row per program (a gather: no fill, no scatter)."""
+    return x.contiguous() if sel.src is None else x.index_select(0, sel.src)
 
 
 def _pick(x: torch.Tensor, sel: Selection) -> torch.Tensor:
-    return x if sel.rows is None else x[sel.rows]
+    """One row per program -> the rows of the chosen segments, in their order."""
+    return x if sel.rows is None else x.index_select(0, sel.rows)
 
 
 def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new) -> torch.Tensor:
@@ -196,8 +197,8 @@ class _Core:
         raise NotImplementedError
 
     def state(self, P: Prepared, st: States, segs, h0):
-        """Final states ``[len(segs), HV, K, V]`` of ``segs`` (sorted local segments) from their
-        initial states ``h0``; their chunk states go into ``st``."""
+        """Final states ``[len(segs), HV, K, V]`` of ``segs`` (sorted local segments) from the initial
+        states ``h0`` (a row per local segment); their chunk states go into ``st``."""
         sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(h0.device))
         return state_pass(sel, *self._state_inputs(P), h0, st.h, st.v_new)
 
@@ -207,7 +208,8 @@ class _Core:
 
     def backward_state(self, P: Prepared, B: Backward, segs, dht):
         """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi))
-        from their final-state gradients ``dht``; their chunk state gradients go into ``B``."""
+        from the final-state gradients ``dht`` (a row per segment of the range); their chunk state
+        gradients go into ``B``."""
         sel = _selection(P.plan, B.lo, B.hi, tuple(segs), str(dht.device))
         q, k, w, g, gk, do = self._grad_inputs(B)
         return state_grad_pass(sel, q, k, w, g, gk, do, B.dv, dht, B.dh, B.dv2, P.scale)

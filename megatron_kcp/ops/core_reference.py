@@ -68,9 +68,10 @@ class ReferenceCore:
         return States()
 
     def state(self, P: Prepared, st: States, segs, h0):
-        """Final states ``[len(segs), HV, K, V]`` fp32 of the local segments ``segs`` (sorted) from
-        their initial states ``h0``; what the output needs goes into ``st``."""
+        """Final states ``[len(segs), HV, K, V]`` fp32 of the local segments ``segs`` (sorted) from the
+        initial states ``h0`` (a row per local segment); what the output needs goes into ``st``."""
         xs, cu, idx = P.gather(segs)
+        h0 = h0[list(segs)]
         o, ht = R.chunk_gated_delta_rule(*xs, scale=P.scale, initial_state=h0, output_final_state=True,
                                          use_qk_l2norm=P.l2, cu_seqlens=cu)
         if st.o is None:
@@ -98,8 +99,10 @@ class ReferenceCore:
 
     def backward_state(self, P: Prepared, B: Backward, segs, dht):
         """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi)) from
-        their final-state gradients; their input gradients go into ``B``."""
+        the final-state gradients ``dht`` (a row per segment of the range); their input gradients go
+        into ``B``."""
         xs, cu, idx = P.gather(segs)
+        dht = dht[[s - B.lo for s in segs]]
         (do,), _, _ = P.gather(segs, B.do)
         h0 = B.h0[[s - B.lo for s in segs]]
         with torch.enable_grad():

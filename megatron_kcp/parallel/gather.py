@@ -56,7 +56,7 @@ class AllGather:
             done = [s for s in plan.send_fwd if plan.pred[s] is None]
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
             if done:
-                buf[[slot[s] for s in done], ..., :V] = core.state(P, st, done, h0[done])
+                buf[[slot[s] for s in done], ..., :V] = core.state(P, st, done, h0)
             if middle:
                 maps = core.maps(P, middle)
                 buf[[slot[s] for s in middle]] = maps
@@ -64,7 +64,7 @@ class AllGather:
             fold(all_gather(buf, group), plan.recv_fwd, h0)
         rest = _others(n, done)
         if rest:
-            core.state(P, st, rest, h0[rest])
+            core.state(P, st, rest, h0)
         return core.output(P, st, 0, n), M
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, M):
@@ -76,12 +76,11 @@ class AllGather:
             buf = h0.new_zeros(plan.num_slots_bwd, HV, K, V + K)
             send = list(plan.send_bwd)
             if send:
-                dH = core.backward_state(P, B, send, dht[send])
+                dH = core.backward_state(P, B, send, dht)
                 buf[:len(send), ..., :V] = dH
                 # a segment that ends its sequence has a zero final-state gradient: its pass is final
-                ends = [j for j, s in enumerate(send) if plan.succ[s] is None]
-                done = [send[j] for j in ends]
-                dh0[done] = dH[ends]
+                # (and it has a predecessor, so its dh0 does not leave the op)
+                done = [s for s in send if plan.succ[s] is None]
             # segments that also export forward continue their sequence both ways: their M^T folds
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
             slot = {s: j for j, s in enumerate(send)}
@@ -90,7 +89,9 @@ class AllGather:
             fold(all_gather(buf, group), plan.recv_bwd, dht)
         rest = _others(n, done)
         if rest:
-            dh0[rest] = core.backward_state(P, B, rest, dht[rest])
+            d = core.backward_state(P, B, rest, dht)
+            if starts := plan.starts_among(rest):
+                dh0[[rest[j] for j in starts]] = d[starts]
         return core.backward_rest(P, B), dh0
 
 

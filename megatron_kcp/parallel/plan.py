@@ -118,6 +118,11 @@ class KCPPlan:
         """Tokens of the same sequences this rank receives for its short conv."""
         return sum(r >= 0 for r, _, _ in self.halo_src)
 
+    def starts_among(self, segs) -> list[int]:
+        """Positions in ``segs`` of the segments that start their sequence: where the user's initial
+        state enters, and so the only rows of the initial-state gradient that leave the op."""
+        return [j for j, s in enumerate(segs) if self.pred[s] is None]
+
     def token_range(self, lo: int, hi: int) -> tuple[int, int]:
         """Local tokens of segments [lo, hi)."""
         return self.cu_seqlens[lo], self.cu_seqlens[hi]

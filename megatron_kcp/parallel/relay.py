@@ -91,7 +91,11 @@ def _receive(p2p: P2P, segs, links, into: torch.Tensor):
 def _send(p2p: P2P, segs, links, rows: torch.Tensor, ph: Phase) -> None:
     """Send the rows (one per segment of ``ph.segs``) of ``segs`` to the ranks ``links`` names."""
     pos = {s: j for j, s in enumerate(ph.segs)}
-    p2p.send({peer: rows[[pos[i] for i in s]] for peer, s in _by_peer(segs, links).items()})
+    out = {}
+    for peer, s in _by_peer(segs, links).items():
+        j = [pos[i] for i in s]
+        out[peer] = rows if j == list(range(len(rows))) else rows[j]     # all of them, in order: no copy
+    p2p.send(out)
 
 
 class Relay:
@@ -103,14 +107,14 @@ class Relay:
         p2p, st, outs = P2P(group), core.states(P), []
         for ph in phases(plan, backward=False):
             _receive(p2p, ph.recv, plan.pred, h0)()
-            _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0[list(ph.segs)]), ph)
+            _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0), ph)
             if ph.span:
                 outs.append((ph.span[0], core.output(P, st, *ph.span)))
         p2p.finish()
         return _assemble(outs) if outs else core.output(P, st, 0, plan.num_segments), None
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, _=None):
-        """(input gradients of the local stream, dh0 of every segment). Each phase prepares what does
+        """(input gradients of the local stream, dh0 where a sequence starts). Each phase prepares what does
         not need the incoming state gradient while that is on its way (split mode), or the whole
         stream is prepared first (interleaved)."""
         steps = phases(plan, backward=True)
@@ -122,9 +126,10 @@ class Relay:
             if ph.span:
                 B = core.backward_prepare(P, *ph.span, h0[slice(*ph.span)], do)
             arriving()
-            segs = list(ph.segs)
-            dh0[segs] = d = core.backward_state(P, B, ph.segs, dht[segs])
+            d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi])
             _send(p2p, ph.send, plan.pred, d, ph)
+            if starts := plan.starts_among(ph.segs):
+                dh0[[ph.segs[j] for j in starts]] = d[starts]
             if ph.span:
                 outs.append((ph.span[0], core.backward_rest(P, B)))
         if not outs:
