@@ -268,5 +268,6 @@ def run(args, dev) -> list[dict]:
             torch.cuda.empty_cache()
     return rows
 
+
 if __name__ == "__main__":
     main()
