@@ -101,3 +101,24 @@ def test_bad_layout_split(layout, cu, match):
 def test_missing_cp_group():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         plan_for_cp_group((0, 8))
+
+
+def test_strategy_choice(monkeypatch):
+    """The cost model's rule (megatron_kcp.parallel.strategy): the all-gather where no transition map
+    is needed, else the relay up to W = 4; every rank of a plan chooses alike."""
+    from megatron_kcp.parallel.strategy import choose
+    monkeypatch.delenv("KCP_STRATEGY", raising=False)
+
+    def picks(cu, layout, W):
+        out = {choose(build_plan(cu, layout, W, r)) for r in range(W)}
+        assert len(out) == 1, f"ranks disagree: {out}"
+        return out.pop()
+    docs = (0, 40, 100, 160, 256)
+    assert picks(docs, "contiguous", 2) == "gather"          # each document crosses at most one edge
+    assert picks(docs, "zigzag", 2) == "gather"
+    assert picks(docs, "zigzag_per_doc", 2) == "relay"        # rank 1 continues every document both ways
+    assert picks((0, 256), "zigzag", 2) == "relay"            # one sequence: the middle rank needs M
+    assert picks((0, 256), "contiguous", 4) == "relay"
+    assert picks((0, 256), "contiguous", 8) == "gather"       # a chain of 8: latency
+    monkeypatch.setenv("KCP_STRATEGY", "relay")
+    assert picks(docs, "contiguous", 2) == "relay"
