@@ -99,7 +99,9 @@ def _pretrain_gpt_builds(index, tmp_dir):
     from tests.test_patches import patched_spec_utils_module
     _, argv = _script_args(readme_commands()[index])
     if index == 2:
-        argument_utils.import_module = patched_spec_utils_module(tmp_dir).import_module
+        # a directory per rank: two ranks patching one copy race (the second finds it patched, and fails)
+        here = os.path.join(tmp_dir, f"pid{os.getpid()}")
+        argument_utils.import_module = patched_spec_utils_module(here).import_module
     sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     model_cfg = argument_utils.gpt_config_from_args(args)
