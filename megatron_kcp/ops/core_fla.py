@@ -193,7 +193,7 @@ class _Core:
         return States(u.new_empty(1, NT, u.shape[2], P.saved[1].shape[3], u.shape[3]), torch.empty_like(u))
 
     def _state_inputs(self, P):
-        """(k, w, u, g, gk) of the state pass."""
+        """(k, w, u, g, gk) of the state pass (and of the maps)."""
         raise NotImplementedError
 
     def state(self, P: Prepared, st: States, segs, h0):
@@ -201,6 +201,16 @@ class _Core:
         states ``h0`` (a row per local segment); their chunk states go into ``st``."""
         sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(h0.device))
         return state_pass(sel, *self._state_inputs(P), h0, st.h, st.v_new)
+
+    def maps(self, P: Prepared, segs):
+        """[H | M] ``[len(segs), HV, K, V + K]`` fp32 of ``segs``: fla's CP pre-process on the state
+        pass's inputs (scalar gate for GDN, per-key gate for KDA)."""
+        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+        k, w, u, g, gk = self._state_inputs(P)
+        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(k.device))
+        hm = k.new_zeros(sel.num_programs, u.shape[2], k.shape[3], u.shape[3] + k.shape[3], dtype=torch.float32)
+        chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g, gk=gk, cu_seqlens=sel.cu, chunk_size=CHUNK, multi_seqs=True)
+        return _pick(hm, sel)
 
     def _h_range(self, P, lo, hi, x):
         off = _chunk_offsets(P.plan, 0, P.plan.num_segments)
@@ -259,14 +269,6 @@ class GDNCore(_Core):
         return chunk_fwd_o(q=q, k=k, v=v_new, h=self._h_range(P, lo, hi, st.h), g=g, scale=P.scale,
                            **kw).to(q.dtype)
 
-    def maps(self, P, segs):
-        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
-        k, w, u, g, _ = self._state_inputs(P)
-        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(k.device))
-        hm = k.new_zeros(sel.num_programs, u.shape[2], k.shape[3], u.shape[3] + k.shape[3], dtype=torch.float32)
-        chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g, cu_seqlens=sel.cu, chunk_size=CHUNK, multi_seqs=True)
-        return _pick(hm, sel)
-
     def backward_prepare(self, P, lo, hi, h0, do) -> Backward:
         """What the state-gradient passes need and the incoming gradients do not change."""
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -317,14 +319,6 @@ class KDACore(_Core):
         (q, g, Aqk, v_new), kw = self.cut(P, lo, hi, P.saved[0], P.saved[3], P.saved[7], st.v_new)
         return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=self._h_range(P, lo, hi, st.h), scale=P.scale,
                                   chunk_size=CHUNK, **kw).to(q.dtype)
-
-    def maps(self, P, segs):
-        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
-        kg, w, u, _, g = self._state_inputs(P)
-        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(kg.device))
-        hm = kg.new_zeros(sel.num_programs, u.shape[2], kg.shape[3], u.shape[3] + kg.shape[3], dtype=torch.float32)
-        chunk_cp_fwd_h(k=kg, w=w, u=u, hm=hm, gk=g, cu_seqlens=sel.cu, chunk_size=CHUNK, multi_seqs=True)
-        return _pick(hm, sel)
 
     def backward_prepare(self, P, lo, hi, h0, do) -> Backward:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
