@@ -112,6 +112,9 @@ def parse(argv=None):
                    default=["contiguous", "zigzag", "zigzag_per_doc"], help="layouts of the kcp and fla-cp rows")
     p.add_argument("--methods", nargs="+", default=["noCP", "noCP-qla", "cp2hp", "kcp-relay", "kcp-gather", "fla-cp"],
                    help="also: kcp (the cost model's pick of relay or gather)")
+    p.add_argument("--fla-cp-max-docs", type=int, default=1000,
+                   help="fla-cp on zigzag_per_doc makes one fla CP call per document (1.2 s a step at 100 "
+                        "documents on 2 x H200): skip it above this many documents")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)

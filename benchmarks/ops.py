@@ -142,7 +142,11 @@ def ops_case(b: Bench, model, T, docs, H, table):
         for method, strategy in KCP_METHODS.items():
             run(method, layout, lambda *x, plan=plan, s=strategy: kcp.gated_delta_rule(
                 *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), index[layout], W)
-        if b.cuda:
+        if b.cuda and layout == "zigzag_per_doc" and len(cu) - 1 > args.fla_cp_max_docs:
+            for p in args.passes:
+                table.add(dict(meta0, method="fla-cp", layout=layout, W=W, **{"pass": p},
+                               note=f"skipped: one fla CP call per document, {len(cu) - 1} > --fla-cp-max-docs"))
+        elif b.cuda:
             run("fla-cp", layout, fla_cp(kernel, plan, cu, dist.group.WORLD, dev), index[layout], W)
 
 

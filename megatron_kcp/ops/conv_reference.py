@@ -57,18 +57,24 @@ def _indices(plan: KCPPlan):
     return torch.tensor(tails, dtype=torch.long), torch.tensor(taps, dtype=torch.long).view(T, hl + 1)
 
 
+@functools.lru_cache(maxsize=32)
+def _on(plan: KCPPlan, device: str):
+    """(tail rows, conv taps, halo rows) on ``device``, copied once: a copy per call would sync the host."""
+    tails, taps = _indices(plan)
+    return tails.to(device), taps.to(device), _halo_rows(plan).to(device)
+
+
 class HaloExchange(torch.autograd.Function):
     """Local ``[T, D]`` -> ``[P * (kernel_size - 1), D]`` halo rows (zero where no same-sequence token)."""
 
     @staticmethod
     def forward(ctx, x, plan: KCPPlan, group):
-        tails_idx, _ = _indices(plan)
+        tails_idx, _, src = _on(plan, str(x.device))
         hl, P = plan.halo_len, plan.num_pieces
         xz = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        tails = xz[tails_idx.to(x.device)].view(P, hl, -1)
+        tails = xz[tails_idx].view(P, hl, -1)
         gathered = all_gather(tails, group) if plan.world_size > 1 else tails[None]
         gathered = torch.cat([gathered.flatten(0, 2), x.new_zeros(1, x.shape[1])])
-        src = _halo_rows(plan).to(x.device)
         ctx.plan, ctx.group, ctx.T = plan, group, x.shape[0]
         ctx.save_for_backward(src)
         return gathered[src]
@@ -80,8 +86,8 @@ class HaloExchange(torch.autograd.Function):
         W, P, hl = plan.world_size, plan.num_pieces, plan.halo_len
         dall = dhalo.new_zeros(W * P * hl + 1, dhalo.shape[1]).index_add_(0, src, dhalo)[:-1]
         dtails = reduce_scatter(dall.view(W, P * hl, -1), ctx.group) if W > 1 else dall
-        tails_idx, _ = _indices(plan)
-        dx = dhalo.new_zeros(ctx.T + 1, dhalo.shape[1]).index_add_(0, tails_idx.to(dhalo.device), dtails)
+        tails_idx = _on(plan, str(dhalo.device))[0]
+        dx = dhalo.new_zeros(ctx.T + 1, dhalo.shape[1]).index_add_(0, tails_idx, dtails)
         return dx[:-1], None, None
 
 
@@ -92,13 +98,12 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
         raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}: "
                          f"build the plan with conv_kernel_size={weight.shape[-1]}")
     x2 = x[0]
-    _, taps = _indices(plan)
+    taps = _on(plan, str(x.device))[1]
     parts = [x2]
     if plan.halo_len:
         parts.append(HaloExchange.apply(x2, plan, group))
     parts.append(x2.new_zeros(1, x2.shape[1]))
     xe = torch.cat(parts)
-    taps = taps.to(x.device)
     # one gathered [T, D] view per tap, never the [T, ks, D] window tensor
     y = sum(xe[taps[:, j]] * weight[:, j].to(xe.dtype) for j in range(taps.shape[1]))
     if bias is not None:

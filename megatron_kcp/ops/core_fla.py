@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.ops import conv_reference
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 FLA_VERSION = "0.6.0"
 CHUNK = 64
@@ -369,7 +369,8 @@ class _HaloToState(torch.autograd.Function):
         hl, ks = plan.halo_len, plan.conv_kernel_size
         state = halo.new_zeros(plan.num_segments, halo.shape[1], ks)
         if segs:
-            state[list(segs), :, 1:] = halo.view(plan.num_pieces, hl, -1)[list(pieces)].transpose(1, 2)
+            rows = halo.view(plan.num_pieces, hl, -1).index_select(0, index_tensor(pieces, halo.device))
+            state[..., 1:].index_copy_(0, index_tensor(segs, halo.device), rows.transpose(1, 2))
         ctx.plan, ctx.shape = plan, halo.shape
         return state
 
@@ -379,7 +380,8 @@ class _HaloToState(torch.autograd.Function):
         plan = ctx.plan
         dhalo = dstate.new_zeros(plan.num_pieces, plan.halo_len, ctx.shape[1])
         if segs:
-            dhalo[list(pieces)] = dstate[list(segs), :, 1:].transpose(1, 2)
+            rows = dstate[..., 1:].index_select(0, index_tensor(segs, dstate.device))
+            dhalo.index_copy_(0, index_tensor(pieces, dstate.device), rows.transpose(1, 2))
         return dhalo.view(ctx.shape), None
 
 

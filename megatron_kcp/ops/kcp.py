@@ -9,11 +9,13 @@ cost model's pick, ``megatron_kcp.parallel.strategy``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_kcp.ops import conv_reference
 from megatron_kcp.parallel.gather import AllGather
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, index_tensor
 from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.strategy import STRATEGIES, choose
 
@@ -60,12 +62,13 @@ class KCPFunction(torch.autograd.Function):
         P = core.prepare(q, k, v, g, beta, plan, scale, l2)
         h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
         starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
+        ix = functools.partial(index_tensor, device=h0.device)      # no list indexing: it syncs the host
         if init is not None:
-            h0[starts] = init.float()[[plan.seg_seq[i] for i in starts]]
+            h0.index_copy_(0, ix(starts), init.float().index_select(0, ix([plan.seg_seq[i] for i in starts])))
         o, extra = strategy.forward(core, P, plan, group, h0)
         # keep the initial states that are not zero: received ones, and the user's
         kept = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
-        ctx.save_for_backward(*P.tensors(), h0[kept], extra)
+        ctx.save_for_backward(*P.tensors(), h0.index_select(0, ix(kept)), extra)
         ctx.kept, ctx.starts, ctx.has_init = kept, starts, init is not None
         ctx.dtypes = [x.dtype for x in (q, k, v, g, beta)]
         ctx.plan, ctx.group, ctx.scale, ctx.l2, ctx.core, ctx.strategy = plan, group, scale, l2, core, strategy
@@ -77,7 +80,7 @@ class KCPFunction(torch.autograd.Function):
         plan, core = ctx.plan, ctx.core
         P = core.restore(saved, plan, ctx.scale, ctx.l2)
         h0 = h0_kept.new_zeros(plan.num_segments, *h0_kept.shape[1:])
-        h0[ctx.kept] = h0_kept
+        h0.index_copy_(0, index_tensor(ctx.kept, h0.device), h0_kept)
         do = do.contiguous()
         grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do, extra)
         dq, dk, dv, dg, db = (d.to(t) for d, t in zip(core.finish(P, grads), ctx.dtypes))
@@ -85,8 +88,8 @@ class KCPFunction(torch.autograd.Function):
         if ctx.has_init:
             # the user's state enters a sequence only where it starts; elsewhere dh0 flowed to earlier ranks
             dinit = dh0.new_zeros(plan.num_seqs, *dh0.shape[1:])
-            dinit.index_add_(0, torch.tensor([plan.seg_seq[i] for i in ctx.starts], dtype=torch.long, device=dh0.device),
-                             dh0[ctx.starts])
+            ix = functools.partial(index_tensor, device=dh0.device)
+            dinit.index_add_(0, ix([plan.seg_seq[i] for i in ctx.starts]), dh0.index_select(0, ix(ctx.starts)))
         return dq, dk, dv, dg, db, dinit, None, None, None, None, None, None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_kcp.parallel.comm import all_gather
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 
 
 def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
@@ -27,18 +27,21 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     flat = gathered.flatten(0, 1)
     slots = gathered.shape[1]
     rows = [[r * slots + s for r, s in c.sources] for c in chains]
-    S = flat[torch.tensor([r[0] for r in rows], device=flat.device), ..., :V].clone()
+
+    def ix(values):
+        return index_tensor(values, flat.device)
+    S = flat[..., :V].index_select(0, ix([r[0] for r in rows]))
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         for j in range(1, max(map(len, rows))):
             live = [c for c, r in enumerate(rows) if len(r) > j]
-            src = flat[torch.tensor([rows[c][j] for c in live], device=flat.device)]
-            idx = torch.tensor(live, device=flat.device)
-            S[idx] = torch.matmul(src[..., V:], S[idx]) + src[..., :V]
+            src = flat.index_select(0, ix([rows[c][j] for c in live]))
+            idx = ix(live)
+            S.index_copy_(0, idx, torch.matmul(src[..., V:], S.index_select(0, idx)) + src[..., :V])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    out[[c.segment for c in chains]] = S
+    out.index_copy_(0, ix([c.segment for c in chains]), S)
 
 
 class AllGather:
@@ -56,10 +59,11 @@ class AllGather:
             done = [s for s in plan.send_fwd if plan.pred[s] is None]
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
             if done:
-                buf[[slot[s] for s in done], ..., :V] = core.state(P, st, done, h0)
+                buf[..., :V].index_copy_(0, index_tensor([slot[s] for s in done], buf.device),
+                                         core.state(P, st, done, h0))
             if middle:
                 maps = core.maps(P, middle)
-                buf[[slot[s] for s in middle]] = maps
+                buf.index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), maps)
                 M = maps[..., V:].contiguous()
             fold(all_gather(buf, group), plan.recv_fwd, h0)
         rest = _others(n, done)
@@ -85,13 +89,13 @@ class AllGather:
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
             slot = {s: j for j, s in enumerate(send)}
             if middle:
-                buf[[slot[s] for s in middle], ..., V:] = M.transpose(-1, -2)
+                buf[..., V:].index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), M.transpose(-1, -2))
             fold(all_gather(buf, group), plan.recv_bwd, dht)
         rest = _others(n, done)
         if rest:
             d = core.backward_state(P, B, rest, dht)
             if starts := plan.starts_among(rest):
-                dh0[[rest[j] for j in starts]] = d[starts]
+                keep_starts(dh0, d, rest, starts)
         return core.backward_rest(P, B), dh0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -128,27 +129,51 @@ class KCPPlan:
         return self.cu_seqlens[lo], self.cu_seqlens[hi]
 
     def cu_seqlens_tensor(self, device=None) -> torch.Tensor:
-        return _as_tensor(self.cu_seqlens, device)
+        return index_tensor(self.cu_seqlens, device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
 def _as_tensor_cached(values: tuple[int, ...], device: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _as_tensor(values, device=None) -> torch.Tensor:
+def index_tensor(values, device=None) -> torch.Tensor:
+    """``values`` as a LongTensor on ``device``, built once (cached: never write into it). Indexing a
+    CUDA tensor with a Python list copies the list to the device and waits for the stream, a host sync
+    that leaves the GPU idle behind every transfer in flight while the host catches up with its
+    launches. A plan is fixed, and so are its index lists."""
     return _as_tensor_cached(tuple(values), str(torch.device("cpu") if device is None else device))
+
+
+def keep_starts(dh0: torch.Tensor, d: torch.Tensor, segs, starts) -> None:
+    """``dh0[segs[j]] = d[j]`` for the positions ``starts`` in ``segs`` (the rows of ``d``)."""
+    dev = d.device
+    dh0.index_copy_(0, index_tensor([segs[j] for j in starts], dev), d.index_select(0, index_tensor(starts, dev)))
+
+
+_last_cu: tuple = (None, -1, ())
+
+
+def _cu_list(t: torch.Tensor) -> list[int]:
+    """``t.tolist()``, once per tensor: every layer of a step reads the same cu_seqlens, and reading a
+    CUDA tensor is a host sync. Keyed by the object (a weak reference) and its version, so a new
+    batch or an in-place change is read again."""
+    global _last_cu
+    ref, version, values = _last_cu
+    if ref is None or ref() is not t or t._version != version:
+        values = t.tolist()
+        _last_cu = (weakref.ref(t), t._version, values)
+    return values
 
 
 def check_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
     """cu_seqlens as a tuple of ints, validated; names the fix on bad input."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:   # Megatron keeps a (1, n) batch dim
-            cu_seqlens = cu_seqlens[0]
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        batched = cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1   # Megatron keeps a (1, n) batch dim
+        if not (cu_seqlens.dim() == 1 or batched) or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
                              f"and dtype {cu_seqlens.dtype}")
-        cu_seqlens = cu_seqlens.tolist()   # one sync at plan build; pass a CPU tensor to avoid it
+        cu_seqlens = _cu_list(cu_seqlens)[0] if batched else _cu_list(cu_seqlens)
     cu = tuple(int(x) for x in cu_seqlens)
     if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {list(cu[:4])}...: "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import P2P
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,18 @@ def _receive(p2p: P2P, segs, links, into: torch.Tensor):
     def arrived():
         pending.wait()
         for peer, s in groups.items():
-            into[list(s)] = bufs[peer]
+            into.index_copy_(0, index_tensor(s, into.device), bufs[peer])
     return arrived
 
 
 def _send(p2p: P2P, segs, links, rows: torch.Tensor, ph: Phase) -> None:
-    """Send the rows (one per segment of ``ph.segs``) of ``segs`` to the ranks ``links`` names."""
+    """Send the rows (one per segment of ``ph.segs``) of ``segs`` to the ranks ``links`` names (all
+    of them, in order: the rows as they are, no copy)."""
     pos = {s: j for j, s in enumerate(ph.segs)}
     out = {}
     for peer, s in _by_peer(segs, links).items():
         j = [pos[i] for i in s]
-        out[peer] = rows if j == list(range(len(rows))) else rows[j]     # all of them, in order: no copy
+        out[peer] = rows if j == list(range(len(rows))) else rows.index_select(0, index_tensor(j, rows.device))
     p2p.send(out)
 
 
@@ -129,7 +130,7 @@ class Relay:
             d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi])
             _send(p2p, ph.send, plan.pred, d, ph)
             if starts := plan.starts_among(ph.segs):
-                dh0[[ph.segs[j] for j in starts]] = d[starts]
+                keep_starts(dh0, d, ph.segs, starts)
             if ph.span:
                 outs.append((ph.span[0], core.backward_rest(P, B)))
         if not outs:

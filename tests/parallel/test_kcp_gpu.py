@@ -219,3 +219,54 @@ def test_cp_matches_single_gpu(world_size):
     layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
     dtypes = os.environ.get("KCP_GPU_DTYPES", "bfloat16,float32").split(",")
     spawn(_cp_vs_single, world_size, layouts, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
+
+
+def _host_syncs(layouts, out_dir):
+    """Every layout and strategy (GDN and KDA, with the conv), once to build the plan's caches, then once
+    more fwd+bwd under CUDA's sync debug mode: the host must never wait for the GPU in our code. A wait
+    behind a transfer idles the GPU while the host catches up with its launches (list indexing of a
+    CUDA tensor was one: it copies the list and waits for the stream)."""
+    import warnings
+    from megatron.core import parallel_state as ps
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    lines = []
+    for kda in (False, True):
+        gen = torch.Generator().manual_seed(7)
+        cu = long_memory_cu(gen, W)
+        xs = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.bfloat16, device="cuda")
+        do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", torch.bfloat16)
+        conv = [torch.randn(1, cu[-1], 64, generator=gen).to("cuda", torch.bfloat16),
+                (torch.randn(64, KS, generator=gen) * 0.5).to("cuda", torch.bfloat16),
+                torch.randn(1, cu[-1], 64, generator=gen).to("cuda", torch.bfloat16)]
+        for layout in layouts:
+            plan = build_plan(cu, layout, W, r, KS)
+            loc = shard(plan, *xs, do, conv[0], conv[2])
+            local_conv = [loc[6], conv[1], loc[7]]
+            for strategy in STRATEGIES:
+                _run(plan, group, loc[:5], loc[5], strategy, local_conv)
+                torch.cuda.synchronize()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        _run(plan, group, loc[:5], loc[5], strategy, local_conv)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                where = sorted({f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message)})
+                ours = [w for w in where if "megatron_kcp" in w]
+                lines.append(f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {strategy:6s} host syncs in our code: "
+                             f"{ours or 'none'}; elsewhere: {[w for w in where if w not in ours] or 'none'}")
+                if r == 0:
+                    print(lines[-1], flush=True)
+                assert not ours, lines[-1]
+    if r == 0 and out_dir:
+        with open(os.path.join(out_dir, f"host_syncs_W{W}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs: ranks sharing a GPU talk over gloo, which syncs by design")
+def test_no_host_sync():
+    spawn(_host_syncs, 2, os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(","),
+          os.environ.get("KCP_EVIDENCE_DIR"))

@@ -122,3 +122,15 @@ def test_strategy_choice(monkeypatch):
     assert picks((0, 256), "contiguous", 8) == "gather"       # a chain of 8: latency
     monkeypatch.setenv("KCP_STRATEGY", "relay")
     assert picks(docs, "contiguous", 2) == "relay"
+
+
+def test_cu_seqlens_tensor_read_once_and_again_when_changed():
+    """Every layer of a step plans from the same cu_seqlens tensor, read (a host sync on CUDA) once; a
+    changed or new tensor must be read again, never a stale plan."""
+    t = torch.tensor([0, 4, 8])
+    assert check_cu_seqlens(t) == (0, 4, 8)
+    assert check_cu_seqlens(t) == (0, 4, 8)
+    t[1] = 2                                            # in place: its version moves
+    assert check_cu_seqlens(t) == (0, 2, 8)
+    assert check_cu_seqlens(torch.tensor([0, 6, 8])) == (0, 6, 8)
+    assert check_cu_seqlens(torch.tensor([[0, 3, 8]])) == (0, 3, 8)     # Megatron's (1, n)
