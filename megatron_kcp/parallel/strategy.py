@@ -1,14 +1,15 @@
 """Which exchange a plan uses: relay (latency: state passes in sequence) or all-gather (work: the
 transition maps). ``choose`` is the cost model; ``KCP_STRATEGY=relay|gather`` overrides it.
 
-The rule, from the one-GPU predictions of the CP=2 step (BENCHMARKS.md, H=64, 32k tokens, GDN and
-KDA): where no sequence has a piece that continues it both ways on some rank, the all-gather needs
-no transition map at all (every export is a true state), and every rank exports and folds at once:
-it was ahead on every such plan with several documents (5 to 12%) and level on one sequence. Where
-a map is needed (a sequence over three or more segments: zigzag's middle rank, every document of
-per-document zigzag, a long document over several ranks), its pass costs about 4.4 state passes
-and the relay is ahead (by 10 to 20%) while its chain is short; beyond W = 4 the chain's latency
-grows with W and the all-gather takes over (not yet measured: BENCHMARKS.md, Open).
+The rule: where no sequence has a piece that continues it both ways on some rank, the all-gather
+needs no transition map at all (every export is a true state) and every rank exports and folds at
+once; where a map is needed (zigzag's middle rank, every document of per-document zigzag, a long
+document over several ranks), its pass costs about 4.4 state passes and the relay is ahead while
+its chain is short; beyond W = 4 the chain's latency grows with W and the all-gather takes over.
+Measured at W = 2 (2 x H200, H = 64, 32k tokens, GDN and KDA, BENCHMARKS.md): the rule takes the
+faster strategy, or one within 2%, in all 11 rows; the relay is 8-29% ahead where a map is needed,
+the all-gather up to 16% where none is. The W = 4 threshold rests on one-GPU predictions, which it
+gets wrong at W = 8 with many documents (BENCHMARKS.md).
 """
 from __future__ import annotations
 
