@@ -159,6 +159,8 @@ def _cu_list(t: torch.Tensor) -> list[int]:
     CUDA tensor is a host sync. Keyed by the object (a weak reference) and its version, so a new
     batch or an in-place change is read again."""
     global _last_cu
+    if t.is_inference():                                  # no version counter to key on
+        return t.tolist()
     ref, version, values = _last_cu
     if ref is None or ref() is not t or t._version != version:
         values = t.tolist()

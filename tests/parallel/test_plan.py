@@ -134,3 +134,5 @@ def test_cu_seqlens_tensor_read_once_and_again_when_changed():
     assert check_cu_seqlens(t) == (0, 2, 8)
     assert check_cu_seqlens(torch.tensor([0, 6, 8])) == (0, 6, 8)
     assert check_cu_seqlens(torch.tensor([[0, 3, 8]])) == (0, 3, 8)     # Megatron's (1, n)
+    with torch.inference_mode():
+        assert check_cu_seqlens(torch.tensor([0, 5, 8])) == (0, 5, 8)
