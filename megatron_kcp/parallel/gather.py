@@ -94,8 +94,7 @@ class AllGather:
         rest = _others(n, done)
         if rest:
             d = core.backward_state(P, B, rest, dht)
-            if starts := plan.starts_among(rest):
-                keep_starts(dh0, d, rest, starts)
+            keep_starts(plan, dh0, d, rest)
         return core.backward_rest(P, B), dh0
 
 

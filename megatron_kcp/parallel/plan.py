@@ -145,10 +145,12 @@ def index_tensor(values, device=None) -> torch.Tensor:
     return _as_tensor_cached(tuple(values), str(torch.device("cpu") if device is None else device))
 
 
-def keep_starts(dh0: torch.Tensor, d: torch.Tensor, segs, starts) -> None:
-    """``dh0[segs[j]] = d[j]`` for the positions ``starts`` in ``segs`` (the rows of ``d``)."""
-    dev = d.device
-    dh0.index_copy_(0, index_tensor([segs[j] for j in starts], dev), d.index_select(0, index_tensor(starts, dev)))
+def keep_starts(plan: KCPPlan, dh0: torch.Tensor, d: torch.Tensor, segs) -> None:
+    """``dh0[s] = d[j]`` for the segments ``s = segs[j]`` that start their sequence (``d``: a row per
+    segment of ``segs``): the only initial-state gradients that leave the op."""
+    if starts := plan.starts_among(segs):
+        dev = d.device
+        dh0.index_copy_(0, index_tensor([segs[j] for j in starts], dev), d.index_select(0, index_tensor(starts, dev)))
 
 
 _last_cu: tuple = (None, -1, ())

@@ -129,8 +129,7 @@ class Relay:
             arriving()
             d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi])
             _send(p2p, ph.send, plan.pred, d, ph)
-            if starts := plan.starts_among(ph.segs):
-                keep_starts(dh0, d, ph.segs, starts)
+            keep_starts(plan, dh0, d, ph.segs)
             if ph.span:
                 outs.append((ph.span[0], core.backward_rest(P, B)))
         if not outs:
