@@ -1,6 +1,7 @@
 """Where the time goes (``--what profile``): torch.profiler's kernel table of one fwd+bwd, noCP
 (the whole problem on one GPU, rank 0) beside each kcp method (--methods: kcp-relay, kcp-gather, kcp)
-on each --layouts (every rank: the rank waiting in the exchange shows which one is late), per
+and the peers among --methods (fla-cp; cp2hp on zigzag) on each --layouts (every rank: the rank
+waiting in the exchange shows which one is late), per
 (model, T, H), after the same untimed warm-up as the timings. The sums per kernel say which part of
 the CP algorithm (state pass, transition pass, exchange, fold) costs what the single GPU does not pay."""
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem
-from benchmarks.ops import chunk_kernel, op_steps
+from benchmarks.cp2hp import CP2HP
+from benchmarks.ops import chunk_kernel, fla_cp, op_steps
 from benchmarks.timing import Bench
 
 ROWS = 14                                          # kernels per table: the tail is launches of microseconds
@@ -34,6 +36,13 @@ def profile_case(b: Bench, model, T, docs, H):
         for method in (m for m in args.methods if m in KCP_METHODS):
             cases.append((f"{method} {layout} W={W}", lambda *x, plan=plan, s=KCP_METHODS[method]: kcp.gated_delta_rule(
                 *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), idx))
+        # the peers, where the question is why they are fast: fla's own CP, and cp2hp (on zigzag)
+        few = layout != "zigzag_per_doc" or len(cu) - 1 <= args.fla_cp_max_docs
+        if "fla-cp" in args.methods and b.cuda and few:
+            cases.append((f"fla-cp {layout} W={W}", fla_cp(kernel, plan, cu, dist.group.WORLD, dev), idx))
+        if "cp2hp" in args.methods and layout == "zigzag" and H % W == 0:
+            plans = [build_plan(cu, layout, W, r, CONV) for r in range(W)]
+            cases.append((f"cp2hp zigzag W={W}", CP2HP(kernel, plans, cu, dist.group.WORLD, dev), idx))
     for name, fn, idx in cases:
         pick = (lambda t: t) if idx is None else (lambda t: t[:, idx])
         step = op_steps(fn, fresh_leaves(pick(x) for x in xs), pick(do).contiguous())("fwd+bwd")

@@ -143,13 +143,13 @@ def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
 def test_profile_prints_the_kernel_tables():
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "profile",
                           "--models", "GDN", "--docs", "single", "--warmup", "1", "--layouts", "zigzag",
-                          "--methods", "kcp-relay"],
+                          "--methods", "kcp-relay", "cp2hp"],
                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     heads = re.findall(r"^== GDN fwd\+bwd T=128 single H=2: (.*), 5 iterations, (rank \d)", run.stdout, re.M)
-    assert heads == [("noCP", "rank 0"), ("kcp-relay zigzag W=2", "rank 0"), ("kcp-relay zigzag W=2", "rank 1")], \
-        run.stdout[-2000:]
-    assert run.stdout.count("Self CPU time total") == 3 and "all rows:" not in run.stdout
+    assert heads == [("noCP", "rank 0"), ("kcp-relay zigzag W=2", "rank 0"), ("kcp-relay zigzag W=2", "rank 1"),
+                     ("cp2hp zigzag W=2", "rank 0"), ("cp2hp zigzag W=2", "rank 1")], run.stdout[-2000:]
+    assert run.stdout.count("Self CPU time total") == 5 and "all rows:" not in run.stdout
 
 
 def _gpu_checks_memory_args() -> list[str]:

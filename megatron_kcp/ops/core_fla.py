@@ -80,70 +80,108 @@ def _chunk_offsets(plan: KCPPlan, lo: int, hi: int) -> tuple[int, ...]:
 class Selection:
     """cu_seqlens and chunk offsets that make one launch of fla's sequence-grid kernels (one program
     per sequence and head: the state pass, the state-gradient pass, the CP maps) run on a subset of
-    the segments [lo, hi), in place in the range's buffers. The chosen segments are listed last to
-    first, so every pair of cu_seqlens between two of them runs backwards (end before start), and
-    the kernels' chunk loops skip it: those programs only copy their initial state row (any row:
-    ``src`` points them at a real one, so no buffer is zero-filled) to their own final-state row."""
+    the segments [lo, hi), in place in the range's buffers. Runs of consecutive chosen segments are
+    listed last run first, so the pair of cu_seqlens between two runs runs backwards (end before
+    start) and the kernels' chunk loops skip it: that program only copies its initial state row
+    (any row: ``src`` points it at a real one, so no buffer is zero-filled) to its final-state row,
+    or nothing where the launch has no state rows."""
     cu: torch.Tensor
     offsets: torch.Tensor
-    src: torch.Tensor | None           # per program, its row among the range's segments (None: all, in order)
-    rows: torch.Tensor | None          # the programs of the chosen segments, in their order
+    src: torch.Tensor | slice          # per program, its row among the range's segments
+    rows: torch.Tensor | None          # the programs of the chosen segments, in their order (None: all)
     num_programs: int
+
+
+def _runs(segs):
+    runs = []
+    for s in segs:
+        if runs and runs[-1][-1] == s - 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 @functools.lru_cache(maxsize=256)
 def _selection(plan: KCPPlan, lo: int, hi: int, segs: tuple[int, ...], device: str) -> Selection:
-    a = plan.cu_seqlens[lo]
+    base, cu_all = plan.cu_seqlens[lo], plan.cu_seqlens
     off = _chunk_offsets(plan, lo, hi)
-    if segs == tuple(range(lo, hi)):
-        cu, offsets, src, rows = [c - a for c in plan.cu_seqlens[lo:hi + 1]], list(off[:-1]), None, None
-    else:
-        cu, offsets, src = [], [], []
-        for s in reversed(segs):
-            cu += [plan.cu_seqlens[s] - a, plan.cu_seqlens[s + 1] - a]
-            offsets += [off[s - lo], 0]
-            src += [s - lo, s - lo]
-        offsets.pop()
-        src.pop()
-        rows = list(range(2 * len(segs) - 2, -1, -2))
+    cu, offsets, src, rows = [], [], [], {}
+    for run in reversed(_runs(segs)):
+        if cu:                               # the program between two runs: a gap, skipped
+            offsets.append(0)
+            src.append(run[0] - lo)
+        for s in run:
+            rows[s] = len(offsets)
+            offsets.append(off[s - lo])
+            src.append(s - lo)
+        cu += [cu_all[s] - base for s in run] + [cu_all[run[-1] + 1] - base]
     t = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    return Selection(t(cu), t(offsets), None if src is None else t(src), None if rows is None else t(rows),
-                     len(cu) - 1)
+    if len(offsets) == len(segs):            # one run: its rows of the range, in order
+        return Selection(t(cu), t(offsets), slice(segs[0] - lo, segs[-1] + 1 - lo), None, len(segs))
+    return Selection(t(cu), t(offsets), t(src), t([rows[s] for s in segs]), len(offsets))
 
 
-def _spread(x: torch.Tensor, sel: Selection) -> torch.Tensor:
-    """Rows of the range's segments -> one row per program (a gather: no fill, no scatter)."""
-    return x.contiguous() if sel.src is None else x.index_select(0, sel.src)
+def _spread(x: torch.Tensor | None, sel: Selection) -> torch.Tensor | None:
+    """Rows of the range's segments -> one row per program (a view for one run; else a gather: no
+    fill, no scatter)."""
+    if x is None:
+        return None
+    return x[sel.src].contiguous() if isinstance(sel.src, slice) else x.index_select(0, sel.src)
 
 
-def _pick(x: torch.Tensor, sel: Selection) -> torch.Tensor:
+def _pick(x: torch.Tensor | None, sel: Selection) -> torch.Tensor | None:
     """One row per program -> the rows of the chosen segments, in their order."""
-    return x if sel.rows is None else x.index_select(0, sel.rows)
+    return x if x is None or sel.rows is None else x.index_select(0, sel.rows)
 
 
-def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new) -> torch.Tensor:
+def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new) -> torch.Tensor | None:
     """fla's forward state pass on the selected segments, writing their chunk states ``h`` and new
-    values ``v_new`` in place; returns their final states."""
+    values ``v_new`` in place; returns their final states. ``h0=None``: every initial state is zero
+    and no final state is written (fla's kernel then reads and writes no state rows)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
     H, K, HV, V = *k.shape[2:], *u.shape[2:]
-    ht = h0.new_empty(sel.num_programs, HV, K, V)
+    ht = None if h0 is None else h0.new_empty(sel.num_programs, HV, K, V)
     kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
         k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=_spread(h0, sel), ht=ht, cu_seqlens=sel.cu,
         chunk_offsets=sel.offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=CHUNK, STATE_V_FIRST=False)
     return _pick(ht, sel)
 
 
-def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale) -> torch.Tensor:
+def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale) -> torch.Tensor | None:
     """fla's state-gradient pass on the selected segments, writing their chunk state gradients ``dh``
-    and value gradients ``dv2`` in place; returns the gradients of their initial states."""
+    and value gradients ``dv2`` in place; returns the gradients of their initial states. ``dht=None``:
+    every final-state gradient is zero and no initial-state gradient is written."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
     H, K, HV, V = *q.shape[2:], *do.shape[2:]
-    dh0 = dht.new_empty(sel.num_programs, HV, K, V)
+    dh0 = None if dht is None else dht.new_empty(sel.num_programs, HV, K, V)
     kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
         q=q, k=k, w=w, g=g, gk=gk, dht=_spread(dht, sel), dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
         cu_seqlens=sel.cu, chunk_offsets=sel.offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V,
         BT=CHUNK, STATE_V_FIRST=False)
     return _pick(dh0, sel)
+
+
+def _split(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the segments of ``segs`` whose pass needs state rows, the others). A segment reads its initial
+    state (writes its gradient) only where it can be nonzero (``P.live``: received, or the user's) and
+    writes its final state (reads its gradient) only where a successor takes it; at 100 documents a
+    rank holds 50 segments and most need neither: 4 MiB (H = 64, fp32) each way per segment saved."""
+    if P.live is None:
+        return tuple(segs), ()
+    rows = tuple(s for s in segs if s in P.live or P.plan.succ[s] is not None)
+    return rows, tuple(s for s in segs if s not in rows)
+
+
+def _in_order(out, rows, segs, like):
+    """A row per segment of ``segs`` from the rows of ``rows`` (the others' rows undefined: nobody reads them)."""
+    if rows == tuple(segs):
+        return out
+    full = like.new_empty(len(segs), *like.shape[1:])
+    if rows:
+        pos = {s: j for j, s in enumerate(segs)}
+        full.index_copy_(0, index_tensor([pos[s] for s in rows], full.device), out)
+    return full
 
 
 @dataclass
@@ -153,6 +191,7 @@ class Prepared:
     scale: float
     l2: bool
     fwd: tuple = ()       # forward-only intermediates (w, u, ...), dropped before the backward
+    live: frozenset | None = None   # segments whose initial state may be nonzero (None: every one)
 
     def tensors(self):
         return self.saved
@@ -179,8 +218,8 @@ class Backward:
 
 
 class _Core:
-    def restore(self, saved, plan, scale, l2) -> Prepared:
-        return Prepared(tuple(saved), plan, scale, l2)
+    def restore(self, saved, plan, scale, l2, live=None) -> Prepared:
+        return Prepared(tuple(saved), plan, scale, l2, live=live)
 
     def cut(self, P: Prepared, lo, hi, *xs):
         a, b, cu, ci = _ranges(P.plan, lo, hi, str(xs[0].device))
@@ -199,8 +238,12 @@ class _Core:
     def state(self, P: Prepared, st: States, segs, h0):
         """Final states ``[len(segs), HV, K, V]`` of ``segs`` (sorted local segments) from the initial
         states ``h0`` (a row per local segment); their chunk states go into ``st``."""
-        sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(h0.device))
-        return state_pass(sel, *self._state_inputs(P), h0, st.h, st.v_new)
+        n, dev, xs = P.plan.num_segments, str(h0.device), self._state_inputs(P)
+        rows, free = _split(P, segs)
+        out = state_pass(_selection(P.plan, 0, n, rows, dev), *xs, h0, st.h, st.v_new) if rows else None
+        if free:
+            state_pass(_selection(P.plan, 0, n, free, dev), *xs, None, st.h, st.v_new)
+        return _in_order(out, rows, segs, h0)
 
     def maps(self, P: Prepared, segs):
         """[H | M] ``[len(segs), HV, K, V + K]`` fp32 of ``segs``: fla's CP pre-process on the state
@@ -220,9 +263,19 @@ class _Core:
         """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi))
         from the final-state gradients ``dht`` (a row per segment of the range); their chunk state
         gradients go into ``B``."""
-        sel = _selection(P.plan, B.lo, B.hi, tuple(segs), str(dht.device))
-        q, k, w, g, gk, do = self._grad_inputs(B)
-        return state_grad_pass(sel, q, k, w, g, gk, do, B.dv, dht, B.dh, B.dv2, P.scale)
+        dev, xs = str(dht.device), self._grad_inputs(B)
+        rows, free = _split(P, segs)
+        out = None
+        if rows:
+            out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, B.dv, dht, B.dh, B.dv2, P.scale)
+        if free:
+            state_grad_pass(_selection(P.plan, B.lo, B.hi, free, dev), *xs, B.dv, None, B.dh, B.dv2, P.scale)
+        return _in_order(out, rows, segs, dht)
+
+    @staticmethod
+    def _h0(P: Prepared, lo, hi, h0):
+        """``h0`` of segments [lo, hi) for the backward's state recompute, None where all of them are zero."""
+        return h0 if P.live is None or any(lo <= s < hi for s in P.live) else None
 
     @staticmethod
     def _inputs(q, k, v, g, beta, plan, l2):
@@ -253,12 +306,12 @@ class _Core:
 class GDNCore(_Core):
     """Gated DeltaNet: one log-decay per head (``g`` ``[1, T, HV]``)."""
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2) -> Prepared:
+    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
         q, k, v, gc, beta = saved[:5]
         w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=CHUNK, **kw)
-        return Prepared((*saved, A), plan, scale, l2, fwd=(w, u))
+        return Prepared((*saved, A), plan, scale, l2, fwd=(w, u), live=live)
 
     def _state_inputs(self, P):
         return P.saved[1], *P.fwd, P.saved[3], None
@@ -276,8 +329,8 @@ class GDNCore(_Core):
         from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
         (q, k, v, g, beta, A, do), kw = self.cut(P, lo, hi, *P.saved[:5], P.saved[7], do)
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, **kw)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False,
-                                                   **kw)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=self._h0(P, lo, hi, h0),
+                                                   output_final_state=False, **kw)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=P.scale, **kw)
         return Backward(lo, hi, (q, k, w, g, do, h, v_new), torch.empty_like(h), dv, torch.empty_like(dv), kw)
 
@@ -303,13 +356,13 @@ class GDNCore(_Core):
 class KDACore(_Core):
     """Kimi Delta Attention: one log-decay per head and key dim (``g`` ``[1, T, HV, K]``)."""
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2) -> Prepared:
+    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
         *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
         q, k, v, gc, beta = saved[:5]
         w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, chunk_size=CHUNK,
                                                     **kw)
-        return Prepared((*saved, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg))
+        return Prepared((*saved, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg), live=live)
 
     def _state_inputs(self, P):
         return P.fwd[2], P.fwd[0], P.fwd[1], None, P.saved[3]
@@ -326,8 +379,8 @@ class KDACore(_Core):
         from fla.ops.kda.wy_fast import recompute_w_u_fwd
         (q, k, v, g, beta, Aqk, Akk, do), kw = self.cut(P, lo, hi, *P.saved[:5], *P.saved[7:9], do)
         w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=g, q=q, **kw)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=h0, output_final_state=False,
-                                                   **kw)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=self._h0(P, lo, hi, h0),
+                                                   output_final_state=False, **kw)
         dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=P.scale, chunk_size=CHUNK, **kw)
         return Backward(lo, hi, (qg, kg, w, g, do, h, v_new, dAqk), torch.empty_like(h), dv, torch.empty_like(dv), kw)
 

@@ -30,6 +30,7 @@ class Prepared:
     plan: KCPPlan
     scale: float | None
     l2: bool
+    live: frozenset | None = None       # segments whose initial state may be nonzero (unused here)
 
     def tensors(self):
         return self.q, self.k, self.v, self.g, self.beta
@@ -58,11 +59,11 @@ class Backward:
 
 
 class ReferenceCore:
-    def prepare(self, q, k, v, g, beta, plan, scale, l2) -> Prepared:
-        return Prepared(q, k, v, g, beta, plan, scale, l2)
+    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
+        return Prepared(q, k, v, g, beta, plan, scale, l2, live)
 
-    def restore(self, saved, plan, scale, l2) -> Prepared:
-        return Prepared(*saved, plan, scale, l2)
+    def restore(self, saved, plan, scale, l2, live=None) -> Prepared:
+        return Prepared(*saved, plan, scale, l2, live)
 
     def states(self, P: Prepared) -> States:
         return States()

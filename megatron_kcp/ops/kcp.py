@@ -59,15 +59,15 @@ class KCPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, init, plan: KCPPlan, group, scale, l2, core, strategy):
-        P = core.prepare(q, k, v, g, beta, plan, scale, l2)
-        h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
         starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
+        # the initial states that can be nonzero: received ones, and the user's (the core skips the rest)
+        kept = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
+        P = core.prepare(q, k, v, g, beta, plan, scale, l2, live=frozenset(kept))
+        h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
         ix = functools.partial(index_tensor, device=h0.device)      # no list indexing: it syncs the host
         if init is not None:
             h0.index_copy_(0, ix(starts), init.float().index_select(0, ix([plan.seg_seq[i] for i in starts])))
         o, extra = strategy.forward(core, P, plan, group, h0)
-        # keep the initial states that are not zero: received ones, and the user's
-        kept = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
         ctx.save_for_backward(*P.tensors(), h0.index_select(0, ix(kept)), extra)
         ctx.kept, ctx.starts, ctx.has_init = kept, starts, init is not None
         ctx.dtypes = [x.dtype for x in (q, k, v, g, beta)]
@@ -78,7 +78,7 @@ class KCPFunction(torch.autograd.Function):
     def backward(ctx, do):
         *saved, h0_kept, extra = ctx.saved_tensors
         plan, core = ctx.plan, ctx.core
-        P = core.restore(saved, plan, ctx.scale, ctx.l2)
+        P = core.restore(saved, plan, ctx.scale, ctx.l2, live=frozenset(ctx.kept))
         h0 = h0_kept.new_zeros(plan.num_segments, *h0_kept.shape[1:])
         h0.index_copy_(0, index_tensor(ctx.kept, h0.device), h0_kept)
         do = do.contiguous()

@@ -1,0 +1,61 @@
+"""CPU: the launch geometry core_fla hands fla's sequence-grid kernels (no kernel runs here).
+
+A ``Selection`` is checked against what fla's state kernels do with it: a program with cu_seqlens
+pair (bos, eos) walks the chunks of [bos, eos) when eos > bos, writing chunk states from its chunk
+offset on, and otherwise only moves its initial-state row to its final-state row.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_kcp.ops import core_fla
+from megatron_kcp.parallel.plan import build_plan
+
+CU = (0, 100, 164, 165, 300, 301, 500, 620, 640, 900)
+
+
+def _walk(sel):
+    """What each program of one launch does: (program, token range walked, first chunk written)."""
+    cu, off = sel.cu.tolist(), sel.offsets.tolist()
+    return [(p, (cu[p], cu[p + 1]), off[p]) for p in range(sel.num_programs) if cu[p + 1] > cu[p]]
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 9), (2, 7)])
+def test_selection_walks_exactly_the_chosen_segments(lo, hi):
+    plan = build_plan(CU, "contiguous", 1, 0, 1)
+    off = core_fla._chunk_offsets(plan, lo, hi)
+    base = plan.cu_seqlens[lo]
+    every = range(lo, hi)
+    for r in range(1, hi - lo + 1):
+        for segs in itertools.combinations(every, r):
+            sel = core_fla._selection(plan, lo, hi, segs, "cpu")
+            walked = _walk(sel)
+            want = [((plan.cu_seqlens[s] - base, plan.cu_seqlens[s + 1] - base), off[s - lo]) for s in segs]
+            assert sorted(w[1:] for w in walked) == sorted(want), segs
+            # every chosen segment's final-state row comes from its own program, fed its own initial state
+            rows = list(range(sel.num_programs)) if sel.rows is None else sel.rows.tolist()
+            src = list(range(sel.src.start, sel.src.stop)) if isinstance(sel.src, slice) else sel.src.tolist()
+            cu = sel.cu.tolist()
+            for s, p in zip(segs, rows):
+                assert (cu[p], cu[p + 1]) == (plan.cu_seqlens[s] - base, plan.cu_seqlens[s + 1] - base)
+                assert src[p] == s - lo
+            # programs between runs walk nothing; one per gap between runs
+            runs = len(core_fla._runs(segs))
+            assert sel.num_programs == len(segs) + runs - 1
+            assert (sel.rows is None) == (runs == 1)
+
+
+def test_split_skips_state_rows_nobody_needs():
+    plan = build_plan(CU, "contiguous", 2, 0, 1)
+    n = plan.num_segments
+    P = core_fla.Prepared((), plan, 1.0, False, live=frozenset())
+    rows, free = core_fla._split(P, range(n))
+    # rank 0 of two: only the segment its sequence continues from on rank 1 hands a state on
+    assert rows == tuple(i for i in range(n) if plan.succ[i] is not None) and len(rows) == 1
+    assert set(rows) | set(free) == set(range(n)) and not set(rows) & set(free)
+    P.live = frozenset({0})
+    assert core_fla._split(P, range(n))[0] == tuple(sorted({0, *rows}))
+    P.live = None                              # unknown: every segment reads and writes its rows
+    assert core_fla._split(P, range(n)) == (tuple(range(n)), ())
