@@ -254,7 +254,7 @@ def _host_syncs(layouts, out_dir):
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
     lines = []
-    for kda in (False, True):
+    for kda in [m == "kda" for m in os.environ.get("KCP_GPU_MODELS", "gdn,kda").split(",")]:
         gen = torch.Generator().manual_seed(7)
         cu = long_memory_cu(gen, W)
         xs = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.bfloat16, device="cuda")
