@@ -7,8 +7,8 @@ once; where a map is needed (zigzag's middle rank, every document of per-documen
 document over several ranks), its pass costs about 4.4 state passes and the relay is ahead while
 its chain is short; beyond W = 4 the chain's latency grows with W and the all-gather takes over.
 Measured at W = 2 (2 x H200, H = 64, 32k tokens, GDN and KDA, BENCHMARKS.md): the rule takes the
-faster strategy, or one within 2%, in all 11 rows; the relay is 8-29% ahead where a map is needed,
-the all-gather up to 16% where none is. The W = 4 threshold rests on one-GPU predictions, which it
+faster strategy, or one within 2%, in all 18 rows; the relay is 6-24% ahead where a map is needed,
+the all-gather up to 15% where none is. The W = 4 threshold rests on one-GPU predictions, which it
 gets wrong at W = 8 with many documents (BENCHMARKS.md).
 """
 from __future__ import annotations
