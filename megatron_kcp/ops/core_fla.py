@@ -169,8 +169,8 @@ def _split(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
     rank holds 50 segments and most need neither: 4 MiB (H = 64, fp32) each way per segment saved."""
     if P.live is None:
         return tuple(segs), ()
-    rows = tuple(s for s in segs if s in P.live or P.plan.succ[s] is not None)
-    return rows, tuple(s for s in segs if s not in rows)
+    need = [s in P.live or P.plan.succ[s] is not None for s in segs]
+    return tuple(s for s, n in zip(segs, need) if n), tuple(s for s, n in zip(segs, need) if not n)
 
 
 def _in_order(out, rows, segs, like):

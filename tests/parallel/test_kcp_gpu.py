@@ -6,6 +6,8 @@ CP ranks use NCCL with a GPU each when there are enough GPUs, else gloo with ran
 than the conv halo) for both strategies, in bf16 and fp32, against the fp64 reference, and the same
 comparison with the exchange switched off, which must miss by at least 10x the tolerance. fp32
 runs fla's fp32 products as 3xTF32 (``TRITON_F32_DEFAULT=tf32x3``) where fla lets it.
+``KCP_GPU_LAYOUTS``, ``KCP_GPU_DTYPES`` and ``KCP_GPU_MODELS`` (comma lists: layouts; bfloat16,float32;
+gdn,kda) cut the CP cases to fit a short device call.
 """
 from __future__ import annotations
 
