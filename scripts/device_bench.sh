@@ -2,12 +2,16 @@
 # The CP benchmarks in one device call, run from the repo root:
 #   source .devbundle/setup.sh && bash scripts/device_bench.sh
 # Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order; "large" is the
-# issue table: every layout, one sequence, 10 and 100 documents, fwd+bwd), each with a soft
+# issue table: every layout, one sequence, 10 and 100 documents, fwd+bwd; "predict", not in the
+# default, is the W = 4 to 64 prediction from one GPU), each with a soft
 # budget (bench_ops.py --budget: cases left are skipped, the table still prints; a share of the
 # time left) and a hard limit (timeout): large = op level at KCP_BENCH_LARGE_HEADS heads and the
 # first token count; profile = torch.profiler's kernel table of noCP and kcp there; ops = op level
-# at KCP_BENCH_HEADS over the token counts; layers = layer level. Then the exchange model beside
-# the measured exchange.
+# at KCP_BENCH_HEADS over the token counts; layers = layer level; predict = simulate.py on the first
+# GPU: each rank's local work under the plans of W = KCP_PREDICT_W (default "4 8 16 32 64") at
+# KCP_PREDICT_TOKENS (262144) tokens and KCP_BENCH_HEADS heads, replayed over the link fitted on
+# 2 x H200 (alpha 60 us, 332 GB/s), with plot.py's efficiency-vs-W table and crossover (predict.csv,
+# predict.png). Then the exchange model beside the measured exchange.
 # Env: KCP_BENCH_W (CP size, default every GPU), KCP_BENCH_BUDGET (seconds for all stages, default
 # 480: fits a 10-minute call with the bundle's unpacking), KCP_BENCH_TOKENS (op level, default
 # "32768 131072 262144"), KCP_BENCH_HEADS (16), KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS
@@ -53,6 +57,16 @@ stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
     > "$logs/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s (soft ${soft}s, hard ${hard}s)" | tee -a "$logs/summary.txt"
 }
+# shellcheck disable=SC2086  # word splitting of the W list is intended
+predict() {  # hard limit s: simulate.py writes its CSV row by row, so a stopped run still reports
+  local t0=$SECONDS smoke=()
+  [[ " ${extra[*]:-} " == *" --smoke "* ]] && smoke=(--smoke)     # the CPU check (reference core)
+  timeout -k 15 "$1" python benchmarks/simulate.py --models GDN KDA --tokens "${KCP_PREDICT_TOKENS:-262144}" \
+    --heads "$heads" --docs single varlen --cp ${KCP_PREDICT_W:-4 8 16 32 64} --alpha-us 60 --bw-gbs 332 \
+    --iters 3 --warmup 1 "${smoke[@]}" --csv "$OUT/predict.csv" > "$logs/predict.log" 2>&1
+  echo "predict: exit $? after $((SECONDS - t0)) s (hard ${1}s)" | tee -a "$logs/summary.txt"
+  [ -f "$OUT/predict.csv" ] && python benchmarks/plot.py "$OUT/predict.csv" -o "$OUT/predict.png" >> "$logs/predict.log" 2>&1
+}
 # shellcheck disable=SC2086  # word splitting of $tokens is intended
 run_stage() {  # name, stages after it: a share of what is left, 45 s kept for each stage after it
   local avail=$(($(left) - 45 * $2 - 15)) soft
@@ -65,7 +79,8 @@ run_stage() {  # name, stages after it: a share of what is left, 45 s kept for e
     ops) stage ops "$soft" "$avail" --what ops --tokens $tokens --heads "$heads" --csv "$OUT/ops.csv" ;;
     layers) stage layers "$soft" "$avail" --what layers --tokens "$layer_tokens" --heads "$heads" \
               --csv "$OUT/layers.csv" ;;
-    *) echo "KCP_BENCH_STAGES: unknown stage $1 (large, profile, ops, layers)"; exit 2 ;;
+    predict) predict "$avail" ;;
+    *) echo "KCP_BENCH_STAGES: unknown stage $1 (large, profile, ops, layers, predict)"; exit 2 ;;
   esac
 }
 read -r -a stages <<<"${KCP_BENCH_STAGES:-large profile ops layers}"
@@ -94,6 +109,9 @@ for name in ops_h"$large_heads" ops layers; do
   else grep -E "^(model|GDN|KDA|\[rank)" <<<"$log"; echo "(stopped early; its last lines:)"; tail -5 <<<"$log"; fi
   grep -E "^(wrote|no PNG)" <<<"$log"
 done
+if log=$(tar -xzf "$OUT/logs.tar.gz" -O logs/predict.log 2>/dev/null); then
+  echo; echo "== predict"; grep -E "^(model|GDN|KDA|wrote|no PNG)" <<<"$log"
+fi
 if log=$(tar -xzf "$OUT/logs.tar.gz" -O logs/profile.log 2>/dev/null); then
   echo; echo "== profile"; grep -v TileLang <<<"$log" | grep -E -v "^(USDT|\[rank|\[W)"
 fi

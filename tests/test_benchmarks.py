@@ -1,7 +1,7 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
 the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
---fit), plot.py, and simulate.py (--smoke, and its event simulation on hand-made timelines)."""
+--fit), plot.py (ops and predictions), and simulate.py (--smoke, and its event simulation on hand-made timelines)."""
 from __future__ import annotations
 
 import csv
@@ -87,6 +87,21 @@ def test_plot_from_csv(smoke, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_plot_crossover_of_predictions():
+    """plot.py on a simulate.py CSV: each case's efficiencies per W and the first W where the all-gather leads."""
+    from benchmarks import plot
+
+    def row(W, strategy, eff, layout="zigzag"):
+        return dict(model="GDN", tokens="262144", docs="single", heads="16", W=str(W), layout=layout,
+                    strategy=strategy, eff=str(eff))
+    rows = [row(4, "relay", 0.8), row(4, "gather", 0.7), row(8, "relay", 0.5), row(8, "gather", 0.6),
+            row(16, "relay", 0.3), row(16, "gather", 0.5), row(4, "relay", 0.9, "contiguous"),
+            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous")]
+    zigzag, contiguous = sorted(plot.crossover(rows), key=lambda ln: "contiguous" in ln)
+    assert zigzag.endswith("W=4: 0.80/0.70 W=8: 0.50/0.60 W=16: 0.30/0.50; all-gather ahead from W=8"), zigzag
+    assert contiguous.endswith("W=4: 0.90/0.80; all-gather ahead from none of these W"), contiguous
 
 
 def test_exchange_model_by_hand():
