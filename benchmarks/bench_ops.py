@@ -51,8 +51,8 @@ of KCP fwd+bwd at each CP size, beside one GPU (one case: --tokens, --heads, --d
 --head-dim, --dtype, --models, --layouts, --warmup). It runs with fewer GPUs than ranks (gloo, ranks
 sharing GPUs) and with the tests' cheap autotuning, neither of which changes what is allocated.
 
-The code: common.py (problems, ranks), timing.py (Bench), table.py (rows, CSV), ops.py and cp2hp.py
-(op level), layers.py (layer level), memory.py, kernel_profile.py; this file holds the command line.
+The code: common.py (problems, ranks), timing.py (Bench), table.py (rows, CSV), ops.py (op level;
+cp2hp is megatron_kcp/parallel/cp2hp.py), layers.py (layer level), memory.py, kernel_profile.py; this file holds the command line.
 """
 from __future__ import annotations
 

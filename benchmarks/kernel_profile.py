@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem
-from benchmarks.cp2hp import CP2HP
+from megatron_kcp.parallel.cp2hp import CP2HP
 from benchmarks.ops import chunk_kernel, fla_cp, op_steps
 from benchmarks.timing import Bench
 

@@ -1,7 +1,7 @@
 """Op level: every method on one (model, tokens T, documents, heads H), fwd and fwd+bwd.
 
 noCP (the whole problem on one GPU, on every rank, fla's Triton kernels: what ours compose; and
-``noCP-qla``: flash-qla's fused GDN kernels, for scale), cp2hp (cp2hp.py), ours on every layout
+``noCP-qla``: flash-qla's fused GDN kernels, for scale), cp2hp (megatron_kcp/parallel/cp2hp.py), ours on every layout
 (``kcp-relay`` and ``kcp-gather``: the two exchange strategies; ``kcp``: the cost model's pick),
 and fla's own CP (``build_cp_context``, CUDA only) on its two layouts, contiguous and zigzag, and
 on the per-document layout as one fla CP call per document (what fla offers for packed batches).
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem, rel_err
-from benchmarks.cp2hp import CP2HP
+from megatron_kcp.parallel.cp2hp import CP2HP
 from benchmarks.table import Table
 from benchmarks.timing import Bench
 

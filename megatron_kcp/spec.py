@@ -89,7 +89,7 @@ def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
 
 
 def kda_mixer_spec(backend=None, **options) -> ModuleSpec:
-    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``) go to its constructor."""
+    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``, ``exchange``) go to its constructor."""
     from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
     backend = backend or backend_provider()
     return ModuleSpec(module=KCPKimiDeltaAttention, params=options, submodules=KDASubmodules(
@@ -175,6 +175,8 @@ try:
     # the same hybrid with megatron-core's own GatedDeltaNet (all-to-all to head shards): the peer that
     # benchmarks and long-context runs compare against
     cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
+    # megatron-core has no KDA module: the KDA peer is our mixer with that all-to-all around its kernel
+    cp2hp_kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec(exchange="cp2hp"))
 except ImportError as e:      # the mixers' modules (see NEEDS above)
     raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 

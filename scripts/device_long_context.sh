@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# One 1,048,576-token sequence per step through the tiny GDN hybrid at CP = all GPUs of the machine,
-# with the KCP mixer and with megatron-core's own GatedDeltaNet (cp2hp) in the same hybrid: steps,
-# tokens/s and peak memory from each run's progress lines, or the error a run stops with.
+# One 1,048,576-token sequence per step through the tiny GDN and KDA hybrids at CP = all GPUs of the
+# machine, each with its KCP mixer and with its cp2hp peer in the same hybrid (GDN: megatron-core's own
+# GatedDeltaNet; KDA: our mixer with that all-to-all around its kernel, cp2hp_kda_hybrid_layer_spec):
+# steps, tokens/s and peak memory from each run's progress lines, or the error a run stops with.
 #   source .devbundle/setup.sh && bash scripts/device_long_context.sh
-# SEQ (default 1048576), STEPS (default 4) and VOCAB (default 2048: 32000 would make the logits alone
-# tens of GB per rank at this length) can be set. KCP_FAST_AUTOTUNE=1 trims fla's autotuning for both
-# runs alike (first steps then compile in seconds, later steps run slightly slower kernel configs).
+# MODELS (default "gdn kda"), SEQ (default 1048576), STEPS (default 4) and VOCAB (default 2048: 32000
+# would make the logits alone tens of GB per rank at this length) can be set. KCP_FAST_AUTOTUNE=1 trims
+# fla's autotuning for all runs alike (first steps then compile in seconds, later steps run slightly
+# slower kernel configs). Each run stops after KCP_RUN_TIMEOUT seconds (default 240).
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore CUDA_DEVICE_MAX_CONNECTIONS=1
 source scripts/device_cache.sh
 W=$(python -c 'import torch; print(torch.cuda.device_count())')
 seq=${SEQ:-1048576} steps=${STEPS:-4}
-for spec in gdn_hybrid_layer_spec cp2hp_gdn_hybrid_layer_spec; do
-  t0=$SECONDS
-  timeout "${KCP_RUN_TIMEOUT:-240}" python -m megatron_kcp.launch configs/tiny-gdn.json --nproc-per-node "$W" --cp "$W" -- \
-    --spec megatron_kcp.spec "$spec" --seq-length "$seq" --max-position-embeddings "$seq" --vocab-size "${VOCAB:-2048}" \
-    --train-iters "$steps" --lr-decay-iters "$steps" --kcp-log "$OUT/long_$spec.jsonl" > "$OUT/long_$spec.log" 2>&1
-  echo "$spec CP=$W seq=$seq: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/long_summary.txt"
-  grep -h "\[kcp\]" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
-  grep -h -m3 "Error\|error:" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
+for model in ${MODELS:-gdn kda}; do
+  for spec in "${model}_hybrid_layer_spec" "cp2hp_${model}_hybrid_layer_spec"; do
+    t0=$SECONDS
+    timeout "${KCP_RUN_TIMEOUT:-240}" python -m megatron_kcp.launch "configs/tiny-$model.json" --nproc-per-node "$W" \
+      --cp "$W" -- --spec megatron_kcp.spec "$spec" --seq-length "$seq" --max-position-embeddings "$seq" \
+      --vocab-size "${VOCAB:-2048}" --train-iters "$steps" --lr-decay-iters "$steps" \
+      --kcp-log "$OUT/long_$spec.jsonl" > "$OUT/long_$spec.log" 2>&1
+    echo "$spec CP=$W seq=$seq: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/long_summary.txt"
+    grep -h "\[kcp\]\|KCP active" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
+    grep -h -m3 "Error\|error:" "$OUT/long_$spec.log" | tee -a "$OUT/long_summary.txt"
+  done
 done
 save_cache
 # at most 8 files come back from a device call: logs and losses travel as one archive

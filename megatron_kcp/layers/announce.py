@@ -18,7 +18,8 @@ from megatron_kcp.te import te_available
 _announced = False
 
 
-def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int = 1, **options):
+def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int = 1, exchange: str = "auto",
+             **options):
     """Print the line if this process has not yet (call at the start of each forward)."""
     global _announced
     if _announced:
@@ -31,6 +32,6 @@ def announce(mixer, plan, x: torch.Tensor, packed_seq_params=None, tp_size: int 
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
           f"({'THD packed documents' if thd else '[s, b] rows'}), "
-          f"exchange {choose(plan) if plan.world_size > 1 else 'none'}, "
+          f"exchange {'none' if plan.world_size == 1 else choose(plan) if exchange == 'auto' else exchange}, "
           f"kernels {'fla' if x.is_cuda else 'reference'}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)

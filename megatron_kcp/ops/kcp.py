@@ -5,7 +5,9 @@ local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"refer
 pure-PyTorch oracle, ``core_reference``; ``"auto"``: fla on CUDA, the reference elsewhere) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
-cost model's pick, ``megatron_kcp.parallel.strategy``).
+cost model's pick, ``megatron_kcp.parallel.strategy``). ``"cp2hp"`` is not KCP but its peer,
+megatron-core GatedDeltaNet's all-to-all to head shards (``megatron_kcp.parallel.cp2hp``), for
+comparisons under the same mixer.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.strategy import STRATEGIES, choose
 
 BACKENDS = ("auto", "reference", "fla")
+EXCHANGES = (*STRATEGIES, "cp2hp")
 
 
 def _backend(backend: str, x: torch.Tensor) -> str:
@@ -111,14 +114,56 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
     ``group`` defaults to Megatron's context-parallel group.
     """
     check_inputs(q, k, v, g, beta, plan, initial_state)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {STRATEGIES}")
+    if strategy not in EXCHANGES:
+        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {EXCHANGES}")
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = choose(plan) if strategy == "auto" else strategy
+    if strategy == "cp2hp" and plan.world_size > 1:
+        check_cp2hp(q.shape[2], v.shape[2], plan.world_size, initial_state)
+        return _cp2hp(plan, group, g.dim() == 4, _backend(backend, q), scale, use_qk_l2norm, q.device)(q, k, v, g, beta)
+    name = choose(plan) if strategy in ("auto", "cp2hp") else strategy
     return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
                              _core(_backend(backend, q), g), Relay() if name == "relay" else AllGather())
+
+
+def check_cp2hp(heads: int, value_heads: int, world_size: int, initial_state=None) -> None:
+    """What the all-to-all to head shards needs, with the fix (also called by the mixers at construction)."""
+    if heads != value_heads or heads % world_size:
+        raise ValueError(f"strategy 'cp2hp' splits the heads over the CP ranks: it needs as many q/k as v heads "
+                         f"(got {heads} and {value_heads}) and a head count divisible by the CP size {world_size}; "
+                         "change the heads or the CP size, or use a KCP strategy (auto, relay, gather)")
+    if initial_state is not None:
+        raise ValueError("strategy 'cp2hp' takes no initial_state: use a KCP strategy (auto, relay, gather)")
+
+
+@functools.lru_cache(maxsize=64)
+def _cp2hp(plan: KCPPlan, group, kda: bool, backend: str, scale: float, l2: bool, device: torch.device):
+    """The all-to-all step for this plan (every rank's plan of its layout gives the token order), over the
+    single-device kernel (o of the whole sequence, this rank's heads): fla's chunk kernel on CUDA, the
+    chunked reference elsewhere."""
+    from megatron_kcp.parallel.cp2hp import CP2HP
+    from megatron_kcp.parallel.plan import build_plan
+    if backend == "fla":
+        from megatron_kcp.ops import core_fla
+        core_fla.core(kda=kda, device=device)          # the environment check
+        if kda:
+            from fla.ops.kda import chunk_kda as fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+
+        def kernel(q, k, v, g, beta, cu, cu_cpu):
+            return fn(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                      cu_seqlens_cpu=cu_cpu)[0]
+    else:
+        from megatron_kcp.ops import reference
+
+        def kernel(q, k, v, g, beta, cu, cu_cpu):
+            return reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm=l2,
+                                                    cu_seqlens=cu_cpu)[0]
+    cu = plan.global_cu_seqlens
+    plans = [build_plan(cu, plan.layout, plan.world_size, r, plan.conv_kernel_size) for r in range(plan.world_size)]
+    return CP2HP(kernel, plans, cu, group, device)
 
 
 def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: KCPPlan = None, group=None,

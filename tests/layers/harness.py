@@ -42,8 +42,9 @@ def config(model: str, shape: Shape, cp: int = 1, tp: int = 1, **kw):
     return TransformerConfig(**{**args, **kw})
 
 
-def build(model: str, cfg, pg, device: str = "cpu", cls=None):
-    """The KCP mixer (or ``cls`` with the GDN submodules) with Megatron's local layers, seeded."""
+def build(model: str, cfg, pg, device: str = "cpu", cls=None, **options):
+    """The KCP mixer (or ``cls`` with the GDN submodules) with Megatron's local layers, seeded; ``options``
+    go to the KDA mixer's constructor."""
     import tests.megatron_cpu
     tests.megatron_cpu.enable()
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
@@ -52,7 +53,8 @@ def build(model: str, cfg, pg, device: str = "cpu", cls=None):
         model_parallel_cuda_manual_seed(0)
     if model == "kda":
         from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
-        mod = KCPKimiDeltaAttention(cfg, KDASubmodules(ColumnParallelLinear, RowParallelLinear), pg_collection=pg)
+        mod = KCPKimiDeltaAttention(cfg, KDASubmodules(ColumnParallelLinear, RowParallelLinear), pg_collection=pg,
+                                    **options)
     else:
         from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -128,9 +130,9 @@ def reduced_grads(mod) -> dict:
     return grads
 
 
-def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = False) -> dict:
-    """The mixer at this spawn's TP x CP against TP=1 x CP=1 with the same weights: output, input
-    gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors."""
+def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = False, **options) -> dict:
+    """The mixer at this spawn's TP x CP (built with ``options``) against TP=1 x CP=1 with the same
+    weights: output, input gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     cp = ps.get_context_parallel_world_size()
@@ -145,7 +147,7 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     y_ref.backward(dy)
 
     cfg = config(model, shape, cp, tp, sequence_parallel=sequence_parallel)
-    mod = build(model, cfg, ProcessGroupCollection.use_mpu_process_groups(), dev)
+    mod = build(model, cfg, ProcessGroupCollection.use_mpu_process_groups(), dev, **options)
     tp_rank = ps.get_tensor_model_parallel_rank()
     mod.load_state_dict(tp_shard(model, mod, ref.state_dict(), tp_rank, tp))
     xl = local_input(x, sequence_parallel).clone().requires_grad_()

@@ -1,6 +1,8 @@
 """The KCP KDA mixer on CPU ranks: TP x CP (x SP) equals TP=1 x CP=1, output and every gradient."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.distributed import spawn
@@ -17,6 +19,20 @@ def test_kda_sequence_parallel_tp2_cp2():
 
 def test_kda_cp4():
     spawn(compare_tp_cp, 4, "kda", CPU, 1)
+
+
+def _cp2hp_tp2_cp2():
+    """The cp2hp peer of the KDA mixer (``cp2hp_kda_hybrid_layer_spec``): the same function; heads it
+    cannot split fail at construction."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    compare_tp_cp("kda", replace(CPU, heads=(4, 4)), 2, exchange="cp2hp")     # cp2hp: as many q/k as v heads
+    with pytest.raises(ValueError, match="divisible by the CP size 2"):
+        build("kda", config("kda", CPU, 2, 2, linear_num_key_heads=2, linear_num_value_heads=2),
+              ProcessGroupCollection.use_mpu_process_groups(), exchange="cp2hp")
+
+
+def test_kda_cp2hp_tp2_cp2_matches_tp1_cp1():
+    spawn(_cp2hp_tp2_cp2, 4, tp=2)
 
 
 def _bad_configs():

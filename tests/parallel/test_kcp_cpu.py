@@ -166,3 +166,50 @@ def test_long_memory_and_exchange_is_load_bearing(layout, world_size, kda):
     oracle to 1e-5 in the output and every input gradient, and with the exchange off they miss by
     at least 10x that (output, every input gradient, conv output and input gradient)."""
     spawn(_long_memory, world_size, layout, kda)
+
+
+def _cp2hp_cases(layouts):
+    """The cp2hp peer (all-to-all to head shards) on random packings and the long-memory batch, every
+    layout, GDN and KDA: the same function as the oracle, forward and backward."""
+    group = _group()
+    W = dist.get_world_size(group)
+    for layout in layouts:
+        for kda in (False, True):
+            gen = torch.Generator().manual_seed(5)
+            for kind in ("random", "single", "tiny"):
+                cu = random_cu_seqlens(gen, layout, W, kind)
+                xs = random_inputs(gen, cu[-1], len(cu) - 1, W, W, 8, 6, kda)[:5]
+                errs = _compare(cu, xs, None, layout, "cp2hp", kind != "tiny", group, seed=1)
+                assert max(errs.values()) <= TOL, f"cp2hp {layout} {kind} kda={kda} cu={cu}: {errs}"
+            cu = long_memory_cu(gen, W, piece=48)
+            xs = long_memory_inputs(gen, cu, W, W, 16, 8, kda)
+            errs = _compare(cu, xs, None, layout, "cp2hp", True, group, 2)
+            assert max(errs.values()) <= TOL, f"cp2hp {layout} long memory kda={kda}: {errs}"
+            if layout != "contiguous":       # the control: tokens left in rank order, not stream order
+                from megatron_kcp.parallel.cp2hp import CP2HP
+                init = CP2HP.__init__
+
+                def rank_order(self, *args):
+                    init(self, *args)
+                    self.inv = torch.arange(len(self.inv))
+                CP2HP.__init__ = rank_order
+                kcp._cp2hp.cache_clear()
+                try:
+                    off = _compare(cu, xs, None, layout, "cp2hp", True, group, 2)
+                finally:
+                    CP2HP.__init__ = init
+                    kcp._cp2hp.cache_clear()
+                assert min(off["o"], off["dq"], off["dk"]) >= 10 * TOL, f"cp2hp {layout}: misorder not seen: {off}"
+    # what it cannot do fails before any exchange, naming the fix
+    plan = plan_for((0, 8 * W), "zigzag", W, dist.get_rank(group))
+    xs = [x[:, :8] for x in random_inputs(torch.Generator().manual_seed(0), 8 * W, 1, 3, 3, 8, 6, False)[:5]]
+    with pytest.raises(ValueError, match="divisible by the CP size"):
+        kcp.gated_delta_rule(*xs, plan, group, backend="reference", strategy="cp2hp")
+    xs = [x[:, :8] for x in random_inputs(torch.Generator().manual_seed(0), 8 * W, 1, W, W, 8, 6, False)[:5]]
+    with pytest.raises(ValueError, match="takes no initial_state"):
+        kcp.gated_delta_rule(*xs, plan, group, initial_state=torch.zeros(1, W, 8, 6), backend="reference",
+                             strategy="cp2hp")
+
+
+def test_cp2hp_matches_single_process():
+    spawn(_cp2hp_cases, 2, LAYOUTS)

@@ -1,8 +1,9 @@
 """cp2hp: megatron-core GatedDeltaNet's CP scheme on the op, the baseline KCP is measured against.
 
-One all-to-all of [q|k|v|g|beta] from sequence shards (zigzag) to head shards (each rank: the whole
-sequence, H/W heads), the single-GPU chunk kernel, one all-to-all of o back; backward runs the same
-two in reverse.
+One all-to-all of [q|k|v|g|beta] from sequence shards to head shards (each rank: the whole sequence,
+H/W heads), the single-device chunk kernel, one all-to-all of o back; backward runs the same two in
+reverse. ``kcp.gated_delta_rule(..., strategy="cp2hp")`` runs it under any layout, which gives the
+KDA mixer (megatron-core has no KDA module) the same peer as megatron-core's GatedDeltaNet.
 """
 from __future__ import annotations
 
