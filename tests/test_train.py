@@ -153,13 +153,18 @@ def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
     assert max(errs.values()) < 1e-4, sorted(errs.items(), key=lambda e: -e[1])[:5]
 
 
-def _builds_cp2hp_peer():
-    model = _small_model("tiny-gdn.json", 1, ("--spec", "megatron_kcp.spec", "cp2hp_gdn_hybrid_layer_spec"))[1]()
-    assert type(model.decoder.layers[0].self_attention).__name__ == "GatedDeltaNet"
+def _builds_cp2hp_peer(model):
+    spec = ("--spec", "megatron_kcp.spec", f"cp2hp_{model}_hybrid_layer_spec")
+    mixer = _small_model(f"tiny-{model}.json", 1, spec)[1]().decoder.layers[0].self_attention
+    if model == "gdn":
+        assert type(mixer).__name__ == "GatedDeltaNet"
+    else:           # megatron-core has no KDA module: ours, with the all-to-all around its kernel
+        assert type(mixer).__name__ == "KCPKimiDeltaAttention" and mixer.exchange == "cp2hp"
 
 
-def test_entry_builds_the_cp2hp_peer():
-    spawn(_builds_cp2hp_peer, 1)
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+def test_entry_builds_the_cp2hp_peer(model):
+    spawn(_builds_cp2hp_peer, 1, model)
 
 
 def _progress_line(log):

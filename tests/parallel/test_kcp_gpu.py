@@ -176,7 +176,7 @@ def _errors(cp, oracle, single, plan, group):
 
 
 def _cp_vs_single(layouts, dtype_names, out_dir):
-    """Every layout, strategy, dtype and model against the fp64 reference on one GPU. A CP run may be
+    """Every layout, strategy (and cp2hp), dtype and model against the fp64 reference on one GPU. A CP run may be
     as far from it as fla's one-GPU run in the same dtype, with 1.5x (+ a floor) for rounding: the
     zigzag and per-document cuts move fla's chunk boundaries, and fla's products are TF32 in places
     (its triangular solve always, gated GDN's backward on Hopper), so CP and one GPU round differently:
@@ -212,7 +212,8 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 local_conv = [loc[6], conv[1], loc[7]]
                 tag = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
                        f"nseq={len(cu) - 1:3d}")
-                for strategy in STRATEGIES:
+                # and the cp2hp peer (all-to-all to head shards), where the heads split over the ranks
+                for strategy in STRATEGIES + (("cp2hp",) if H == HV and H % W == 0 else ()):
                     errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv), oracle, single, plan,
                                    group)
                     lines.append(f"{tag} {strategy:6s} err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()) +
