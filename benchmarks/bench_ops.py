@@ -23,8 +23,9 @@ batches), heads H (K = V = --head-dim) and pass (fwd, fwd+bwd), one row per meth
 
 Layer level (``--what layers``, one sequence of T tokens, hidden size --hidden, H q/k and v heads):
 KCPGatedDeltaNet and megatron-core 0.19's GatedDeltaNet with the same config and weights (CP=1
-rows ``noCP`` / ``megatron``, CP=W rows ``kcp`` / ``cp2hp``), and the KDA mixer at CP=1 and CP=W;
-fwd+bwd; Megatron's local layers (no TransformerEngine), bf16 weights.
+rows ``noCP`` / ``megatron``, CP=W rows ``kcp`` / ``cp2hp``), and the KDA mixer at CP=1 and CP=W
+(``kcp``, and ``cp2hp``: the same mixer with the all-to-all around its kernel); fwd+bwd; Megatron's
+local layers (no TransformerEngine), bf16 weights.
 
 Every time is the median over --iters iterations of the slowest rank, after --warmup untimed calls
 of the same shape (fla autotunes on its first call per shape; --prewarm first tunes the single-GPU
@@ -52,7 +53,8 @@ of KCP fwd+bwd at each CP size, beside one GPU (one case: --tokens, --heads, --d
 sharing GPUs) and with the tests' cheap autotuning, neither of which changes what is allocated.
 
 The code: common.py (problems, ranks), timing.py (Bench), table.py (rows, CSV), ops.py (op level;
-cp2hp is megatron_kcp/parallel/cp2hp.py), layers.py (layer level), memory.py, kernel_profile.py; this file holds the command line.
+cp2hp is megatron_kcp/parallel/cp2hp.py), layers.py (layer level), memory.py, kernel_profile.py;
+this file holds the command line.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Layer level: KCPGatedDeltaNet and megatron-core's GatedDeltaNet (CP=1 and CP=W, cp2hp), and the
-KDA mixer, with the same config and weights, fwd+bwd, Megatron's local layers; per --docs: one
-sequence ([s, b] batch, zigzag over CP), or a THD batch of packed documents (PackedSeqParams,
-documents padded to multiples of 2W, Megatron's per-document zigzag over CP)."""
+KDA mixer (CP=1, and CP=W with KCP and with cp2hp), with the same config and weights, fwd+bwd,
+Megatron's local layers; per --docs: one sequence ([s, b] batch, zigzag over CP), or a THD batch of
+packed documents (PackedSeqParams, documents padded to multiples of 2W, Megatron's per-document zigzag
+over CP)."""
 from __future__ import annotations
 
 import torch
@@ -46,13 +47,14 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     gen = torch.Generator(device=dev).manual_seed(T + H)
     x, dy = (torch.randn(T, 1, args.hidden, generator=gen, device=dev, dtype=b.dtype) for _ in range(2))
     m = model.lower()
-    variants = [("noCP", 1, None), ("kcp", W, None)]
+    # KDA's cp2hp: megatron-core has no KDA module, so our mixer with the all-to-all around its kernel
+    variants = [("noCP", 1, None, {}), ("cp2hp", W, None, {"exchange": "cp2hp"}), ("kcp", W, None, {})]
     if model == "GDN":
-        variants = [("megatron", 1, GatedDeltaNet), ("noCP", 1, KCPGatedDeltaNet),
-                    ("cp2hp", W, GatedDeltaNet), ("kcp", W, KCPGatedDeltaNet)]
+        variants = [("megatron", 1, GatedDeltaNet, {}), ("noCP", 1, KCPGatedDeltaNet, {}),
+                    ("cp2hp", W, GatedDeltaNet, {}), ("kcp", W, KCPGatedDeltaNet, {})]
     state, y_ref, dx_ref = None, None, None
     packed, rows_of = _packed(docs, T, W)
-    for method, cp, cls in variants:
+    for method, cp, cls, options in variants:
         meta = dict(level="layers", model=model, tokens=T, docs=docs, heads=H, method=method,
                     layout=("zigzag" if packed is None else "zigzag_per_doc") if cp > 1 else "-", W=cp)
         if cls is GatedDeltaNet and packed is not None and not b.cuda:
@@ -60,7 +62,8 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                            "runs packed sequences with fla's kernels only"))
             continue
         try:
-            mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls).to(b.dtype)
+            mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls, **options)
+            mod = mod.to(b.dtype)
             if state is None:
                 state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mod.state_dict().items()}
             mod.load_state_dict(state)
