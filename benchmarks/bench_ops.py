@@ -17,6 +17,8 @@ batches), heads H (K = V = --head-dim) and pass (fwd, fwd+bwd), one row per meth
 * ``kcp-relay``, ``kcp-gather``  ``megatron_kcp.ops.kcp.gated_delta_rule`` (backend fla) with either
              exchange strategy (``kcp``: the cost model's pick), on every --layouts: contiguous,
              zigzag and Megatron's per-document zigzag of packed batches (zigzag_per_doc);
+* ``kcp-qla`` the same op on flash-qla's fused GDN kernels (backend qla: the relay, or the
+             all-gather where no transition map is needed; GDN on Hopper/Blackwell);
 * ``fla-cp`` fla's own CP called directly, as fla's CP tests do: ``build_cp_context`` and
              ``chunk_gated_delta_rule`` / ``chunk_kda`` with ``cp_context`` (contiguous, zigzag; on
              zigzag_per_doc one call per document, fla's way for packed documents).
@@ -112,7 +114,8 @@ def parse(argv=None):
     p.add_argument("--passes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
     p.add_argument("--layouts", nargs="+", choices=["contiguous", "zigzag", "zigzag_per_doc"],
                    default=["contiguous", "zigzag", "zigzag_per_doc"], help="layouts of the kcp and fla-cp rows")
-    p.add_argument("--methods", nargs="+", default=["noCP", "noCP-qla", "cp2hp", "kcp-relay", "kcp-gather", "fla-cp"],
+    p.add_argument("--methods", nargs="+",
+                   default=["noCP", "noCP-qla", "cp2hp", "kcp-relay", "kcp-gather", "kcp-qla", "fla-cp"],
                    help="also: kcp (the cost model's pick of relay or gather)")
     p.add_argument("--fla-cp-max-docs", type=int, default=1000,
                    help="fla-cp on zigzag_per_doc makes one fla CP call per document (1.2 s a step at 100 "

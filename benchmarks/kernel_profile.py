@@ -23,19 +23,19 @@ def profile_case(b: Bench, model, T, docs, H):
     from megatron_kcp.ops import kcp
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
-    from benchmarks.ops import KCP_METHODS
+    from benchmarks.ops import KCP_METHODS, kcp_backend
     cu = cu_seqlens(docs, T, pad=2 * W)
     cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
     xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=0)
     kernel = chunk_kernel(model, dev)
-    backend = "fla" if b.cuda else "reference"
     cases = [("noCP", lambda *x: kernel(*x, cu_dev, cu_cpu), None)]
     for layout in args.layouts:
         plan = build_plan(cu, layout, W, rank, CONV)
         idx = local_token_index(plan).to(dev)
-        for method in (m for m in args.methods if m in KCP_METHODS):
-            cases.append((f"{method} {layout} W={W}", lambda *x, plan=plan, s=KCP_METHODS[method]: kcp.gated_delta_rule(
-                *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), idx))
+        for method in (m for m in args.methods if m in KCP_METHODS and kcp_backend(m, model, b.cuda)):
+            cases.append((f"{method} {layout} W={W}", lambda *x, plan=plan, s=KCP_METHODS[method],
+                          be=kcp_backend(method, model, b.cuda): kcp.gated_delta_rule(
+                              *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=be, strategy=s), idx))
         # the peers, where the question is why they are fast: fla's own CP, and cp2hp (on zigzag)
         few = layout != "zigzag_per_doc" or len(cu) - 1 <= args.fla_cp_max_docs
         if "fla-cp" in args.methods and b.cuda and few:

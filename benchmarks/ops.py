@@ -2,7 +2,8 @@
 
 noCP (the whole problem on one GPU, on every rank, fla's Triton kernels: what ours compose; and
 ``noCP-qla``: flash-qla's fused GDN kernels, for scale), cp2hp (megatron_kcp/parallel/cp2hp.py), ours on every layout
-(``kcp-relay`` and ``kcp-gather``: the two exchange strategies; ``kcp``: the cost model's pick),
+(``kcp-relay`` and ``kcp-gather``: the two exchange strategies; ``kcp``: the cost model's pick;
+``kcp-qla``: flash-qla's kernels as the core, GDN),
 and fla's own CP (``build_cp_context``, CUDA only) on its two layouts, contiguous and zigzag, and
 on the per-document layout as one fla CP call per document (what fla offers for packed batches).
 Every method sees the same documents, padded to multiples of 2W as Megatron pads THD batches.
@@ -53,7 +54,15 @@ def op_steps(fn, leaves, do):
     return make
 
 
-KCP_METHODS = {"kcp": "auto", "kcp-relay": "relay", "kcp-gather": "gather"}
+KCP_METHODS = {"kcp": "auto", "kcp-relay": "relay", "kcp-gather": "gather", "kcp-qla": "auto"}
+
+
+def kcp_backend(method: str, model: str, cuda: bool) -> str | None:
+    """The core a kcp method runs (None: not on this model or device): fla's kernels, or on ``kcp-qla``
+    flash-qla's (GDN, GPU only) under the strategy ``kcp.kernels`` picks for it."""
+    if method == "kcp-qla":
+        return "qla" if cuda and model == "GDN" else None
+    return "fla" if cuda else "reference"
 
 
 def fla_cp(kernel, plan, cu, group, dev):
@@ -134,14 +143,15 @@ def ops_case(b: Bench, model, T, docs, H, table):
                            note=f"n/a: H={H} heads cannot be split over W={W} ranks"))
     else:
         run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
-    backend = "fla" if b.cuda else "reference"
     for layout in layouts:
         if layout not in args.layouts:
             continue
         plan = plans[layout][rank]
         for method, strategy in KCP_METHODS.items():
-            run(method, layout, lambda *x, plan=plan, s=strategy: kcp.gated_delta_rule(
-                *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=backend, strategy=s), index[layout], W)
+            backend = kcp_backend(method, model, b.cuda)
+            if backend:
+                run(method, layout, lambda *x, plan=plan, s=strategy, be=backend: kcp.gated_delta_rule(
+                    *x, plan, dist.group.WORLD, use_qk_l2norm=True, backend=be, strategy=s), index[layout], W)
         if b.cuda and layout == "zigzag_per_doc" and len(cu) - 1 > args.fla_cp_max_docs:
             for p in args.passes:
                 table.add(dict(meta0, method="fla-cp", layout=layout, W=W, **{"pass": p},

@@ -70,7 +70,6 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
         s, b, _ = qkvzba.shape
         plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group)
-        announce(self, plan, qkvzba, packed_seq_params, self.tp_size)
         # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
         qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
@@ -88,6 +87,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         else:
             g = -self.A_log.float().exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias.float())
             beta = beta.sigmoid()
+        announce(self, plan, q, v, g, packed_seq_params, self.tp_size)
         # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
         o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group, use_qk_l2norm=self.use_qk_l2norm)
         if fused:

@@ -203,8 +203,6 @@ class KCPKimiDeltaAttention(MegatronModule):
         s, bsz = q.shape[:2]
         cp_group = self.pg_collection.cp
         plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group)
-        announce(self, plan, q, packed_seq_params, self.pg_collection.tp.size(), self.exchange,
-                 kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
         T = bsz * s
 
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
@@ -215,9 +213,10 @@ class KCPKimiDeltaAttention(MegatronModule):
         f = stream(self.f_proj[1](f_low)[0]).view(1, T, self.hv_loc, self.K)
         g = -self.A_log.exp()[:, None] * F.softplus(f.float() + self.dt_bias.view(self.hv_loc, self.K))
         beta = stream(b).sigmoid()
-        o = kcp.gated_delta_rule(q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K),
-                                 v.view(1, T, self.hv_loc, self.V), g, beta, plan, cp_group, use_qk_l2norm=True,
-                                 strategy=self.exchange)
+        q, k, v = q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K), v.view(1, T, self.hv_loc, self.V)
+        announce(self, plan, q, v, g, packed_seq_params, self.pg_collection.tp.size(), self.exchange,
+                 kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
+        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, cp_group, use_qk_l2norm=True, strategy=self.exchange)
         gate = stream(self.g_proj[1](g_low)[0]).view(1, T, self.hv_loc, self.V)
         o = self.o_norm(o, gate).reshape(bsz, s, -1).transpose(0, 1).contiguous()
         return self.o_proj(o)

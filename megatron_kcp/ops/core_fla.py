@@ -225,7 +225,7 @@ class _Core:
         a, b, cu, ci = _ranges(P.plan, lo, hi, str(xs[0].device))
         return [None if x is None else x[:, a:b] for x in xs], dict(cu_seqlens=cu, chunk_indices=ci)
 
-    def states(self, P: Prepared) -> States:
+    def states(self, P: Prepared, h0=None) -> States:
         u = P.fwd[1]
         n = P.plan.num_segments
         NT = _chunk_offsets(P.plan, 0, n)[-1]

@@ -65,7 +65,7 @@ class ReferenceCore:
     def restore(self, saved, plan, scale, l2, live=None) -> Prepared:
         return Prepared(*saved, plan, scale, l2, live)
 
-    def states(self, P: Prepared) -> States:
+    def states(self, P: Prepared, h0=None) -> States:
         return States()
 
     def state(self, P: Prepared, st: States, segs, h0):

@@ -1,11 +1,14 @@
 """The KCP ops the mixers call: gated delta rule (GDN/KDA) and short conv over CP shards.
 
 One CP step for every layout and any number of documents: a *core* computes on ranges of the
-local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"reference"``: the
-pure-PyTorch oracle, ``core_reference``; ``"auto"``: fla on CUDA, the reference elsewhere) and an
+local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"qla"``: flash-qla's
+fused GDN kernels, ``core_qla``; ``"reference"``: the pure-PyTorch oracle, ``core_reference``;
+``"auto"``: qla where it runs (GDN, bf16/fp16, K = V = 128, Hopper or Blackwell, flash-qla
+installed) unless the step needs transition maps, fla elsewhere on CUDA, the reference on CPU) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
-cost model's pick, ``megatron_kcp.parallel.strategy``). ``"cp2hp"`` is not KCP but its peer,
+cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, which has no maps, the relay
+wherever a map would be needed). ``"cp2hp"`` is not KCP but its peer,
 megatron-core GatedDeltaNet's all-to-all to head shards (``megatron_kcp.parallel.cp2hp``), for
 comparisons under the same mixer.
 """
@@ -19,9 +22,9 @@ from megatron_kcp.ops import conv_reference
 from megatron_kcp.parallel.gather import AllGather
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, index_tensor
 from megatron_kcp.parallel.relay import Relay
-from megatron_kcp.parallel.strategy import STRATEGIES, choose
+from megatron_kcp.parallel.strategy import STRATEGIES, choose, needs_maps
 
-BACKENDS = ("auto", "reference", "fla")
+BACKENDS = ("auto", "reference", "fla", "qla")
 EXCHANGES = (*STRATEGIES, "cp2hp")
 
 
@@ -31,6 +34,43 @@ def _backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return "fla" if x.is_cuda else "reference"
     return backend
+
+
+def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, plan: KCPPlan,
+            strategy: str = "auto") -> tuple[str, str]:
+    """(the core that runs: fla, qla or reference; the exchange: relay or gather) for this call."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {EXCHANGES}")
+    name = choose(plan) if strategy == "auto" else strategy
+    maps = name == "gather" and plan.world_size > 1 and needs_maps(plan.global_cu_seqlens, plan.layout,
+                                                                   plan.world_size)
+    if backend == "auto":
+        if not q.is_cuda:
+            return "reference", name
+        backend = "qla" if not maps and qla_runs(q, v, g) else "fla"
+    if backend == "qla" and maps:
+        if strategy == "gather":
+            raise ValueError("backend 'qla' has no transition maps, which the all-gather needs on this layout: "
+                             "use strategy='relay' (or 'auto'), or backend='fla'")
+        name = "relay"
+    return backend, name
+
+
+def qla_runs(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether flash-qla can run this problem here (``core_qla.check_qla`` says why not)."""
+    return _qla_runs(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
+
+
+@functools.lru_cache(maxsize=64)
+def _qla_runs(device, dtype, kda, head_dims) -> bool:
+    from megatron_kcp.ops import core_qla
+    try:
+        core_qla.check_qla(device, dtype, kda, head_dims)
+    except (ValueError, RuntimeError):
+        return False
+    return True
 
 
 def check_inputs(q, k, v, g, beta, plan: KCPPlan, initial_state=None):
@@ -96,7 +136,10 @@ class KCPFunction(torch.autograd.Function):
         return dq, dk, dv, dg, db, dinit, None, None, None, None, None, None
 
 
-def _core(backend: str, g: torch.Tensor):
+def _core(backend: str, q, v, g):
+    if backend == "qla":
+        from megatron_kcp.ops import core_qla
+        return core_qla.core(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
     if backend == "fla":
         from megatron_kcp.ops import core_fla
         return core_fla.core(kda=g.dim() == 4, device=g.device)
@@ -121,10 +164,13 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if strategy == "cp2hp" and plan.world_size > 1:
         check_cp2hp(q.shape[2], v.shape[2], plan.world_size, initial_state)
+        if backend == "qla":
+            raise ValueError("strategy 'cp2hp' runs fla's kernels, as megatron-core's peer does: use backend 'fla' "
+                             "or 'auto'")
         return _cp2hp(plan, group, g.dim() == 4, _backend(backend, q), scale, use_qk_l2norm, q.device)(q, k, v, g, beta)
-    name = choose(plan) if strategy in ("auto", "cp2hp") else strategy
+    backend, name = kernels(backend, q, v, g, plan, "auto" if strategy == "cp2hp" else strategy)
     return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
-                             _core(_backend(backend, q), g), Relay() if name == "relay" else AllGather())
+                             _core(backend, q, v, g), Relay() if name == "relay" else AllGather())
 
 
 def check_cp2hp(heads: int, value_heads: int, world_size: int, initial_state=None) -> None:

@@ -50,7 +50,7 @@ class AllGather:
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
         the backward's export); fills ``h0`` with the folded states."""
-        n, st, M, done = plan.num_segments, core.states(P), None, []
+        n, st, M, done = plan.num_segments, core.states(P, h0), None, []
         if not plan.is_local:
             HV, K, V = h0.shape[1:]
             slot = {s: j for j, s in enumerate(plan.send_fwd)}

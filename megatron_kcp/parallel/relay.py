@@ -105,7 +105,7 @@ class Relay:
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output of the local stream, nothing for the backward); fills ``h0`` (every segment's
         initial state) as states arrive."""
-        p2p, st, outs = P2P(group), core.states(P), []
+        p2p, st, outs = P2P(group), core.states(P, h0), []
         for ph in phases(plan, backward=False):
             _receive(p2p, ph.recv, plan.pred, h0)()
             _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0), ph)

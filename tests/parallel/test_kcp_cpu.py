@@ -24,7 +24,7 @@ def _group():
     return ps.get_context_parallel_group()
 
 
-def _compare(cu, xs, h0, layout, strategy, l2, group, seed):
+def _compare(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference"):
     """Errors of this rank's KCP run against the single-process oracle (all-reduced max over ranks)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
@@ -37,7 +37,7 @@ def _compare(cu, xs, h0, layout, strategy, l2, group, seed):
     loc = [x.clone().requires_grad_() for x in shard(plan, *xs)]
     init = [h0.clone().requires_grad_()] if h0 is not None else []
     o = kcp.gated_delta_rule(*loc, plan, group, initial_state=init[0] if init else None, use_qk_l2norm=l2,
-                             backend="reference", strategy=strategy)
+                             backend=backend, strategy=strategy)
     grads = torch.autograd.grad(o, loc + init, shard(plan, do)[0])
     errs = {"o": rel_err(o, shard(plan, o_ref)[0])}
     for name, gl, gr in zip(NAMES[1:], grads, ref_grads):
@@ -107,7 +107,7 @@ class NoExchange:
     name = "none"
 
     def forward(self, core, P, plan, group, h0):
-        n, st = plan.num_segments, core.states(P)
+        n, st = plan.num_segments, core.states(P, h0)
         core.state(P, st, range(n), h0)
         return core.output(P, st, 0, n), None
 

@@ -7,7 +7,8 @@ than the conv halo) for both strategies, in bf16 and fp32, against the fp64 refe
 comparison with the exchange switched off, which must miss by at least 10x the tolerance. fp32
 runs fla's fp32 products as 3xTF32 (``TRITON_F32_DEFAULT=tf32x3``) where fla lets it.
 ``KCP_GPU_LAYOUTS``, ``KCP_GPU_DTYPES`` and ``KCP_GPU_MODELS`` (comma lists: layouts; bfloat16,float32;
-gdn,kda) cut the CP cases to fit a short device call.
+gdn,kda) cut the CP cases to fit a short device call; ``KCP_GPU_BACKEND=qla`` runs GDN in bf16 on the
+qla core (flash-qla's kernels; its strategies: relay, and auto) instead of fla's, everywhere else fla.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.parallel.cases import long_memory_cu, long_memory_inputs, random_cu_s
 from tests.parallel.test_kcp_cpu import STRATEGIES, _exchange_off
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+BACKEND = os.environ.get("KCP_GPU_BACKEND", "fla")
 H, HV, K, V, KS = 4, 4, 128, 128, 4
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
 # On Hopper with Triton < 3.7.1, fla runs gated GDN's dq/dk/dg backward in a tilelang kernel whose
@@ -69,10 +71,16 @@ def _conv(plan, group, x, w, dy, backend):
     return [y, *torch.autograd.grad(y, [x, w], dy)]
 
 
+def _backend(kda, dtype):
+    """The core under test for this model and dtype: qla (``KCP_GPU_BACKEND``) where it runs, else fla."""
+    return "qla" if BACKEND == "qla" and not kda and dtype == torch.bfloat16 else "fla"
+
+
 def _run(plan, group, xs, do, strategy, conv, backend="fla"):
     xs = [x.detach().clone().requires_grad_() for x in xs]
     o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, strategy=strategy)
-    return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, backend)]
+    conv_backend = "reference" if backend == "reference" else "fla"
+    return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, conv_backend)]
 
 
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "conv_y", "dconv_x", "dconv_w"]
@@ -103,6 +111,37 @@ def test_fla_matches_reference(kda, dtype):
     print(f"fla vs reference {'KDA' if kda else 'GDN'} {dtype}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
           flush=True)
     assert all(e <= tolerance(n.split("|")[0], dtype, kda) for n, e in errs.items()), errs
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads", [(4, 4), (2, 4)], ids=["H=HV", "grouped"])
+def test_qla_matches_reference(heads):
+    """The qla core (flash-qla's fused kernels, GDN, bf16) on one GPU against the fp64 reference core:
+    every document of a random varlen batch, with and without the user's initial states, and grouped
+    value heads."""
+    from megatron_kcp.ops import core_qla
+    gen = torch.Generator().manual_seed(2)
+    cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
+    xs = random_inputs(gen, cu[-1], len(cu) - 1, *heads, K, V, False, dtype=torch.bfloat16, device="cuda")[:5]
+    try:
+        core_qla.check_qla(xs[0].device, xs[0].dtype, False, (K, V))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    do = torch.randn(1, cu[-1], heads[1], V, generator=gen).to("cuda", torch.bfloat16)
+    init = torch.randn(len(cu) - 1, heads[1], K, V, generator=gen).cuda() * 0.1
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    out = {}
+    for backend in ("qla", "reference"):
+        ys = [x.detach().clone().requires_grad_() for x in xs]
+        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=backend)
+        out[backend] = [o, *torch.autograd.grad(o, ys, do)]
+        ys = [x.detach().clone().requires_grad_() for x in (*xs, init)]
+        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=backend)
+        out[backend] += [o, *torch.autograd.grad(o, ys, do)]
+    names = NAMES[:6] + [n + "|h0" for n in NAMES[:6]] + ["dh0|h0"]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, out["qla"], out["reference"])}
+    print(f"qla vs reference GDN H,HV={heads}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
+    assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
 
 
 @needs_gpu
@@ -199,7 +238,8 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
         for dtype_name in dtype_names:
             dtype = getattr(torch, dtype_name)
             xs, do, conv = [t.to(dtype) for t in xs32], do32.to(dtype), [t.to(dtype) for t in conv32]
-            single = _run(one, None, xs, do, "relay", conv)
+            backend = _backend(kda, dtype)
+            single = _run(one, None, xs, do, "relay", conv, backend)
             floor = {n: rel_err(a, b) for n, a, b in zip(NAMES, single, oracle)}
 
             def allowed(n):
@@ -211,11 +251,12 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 loc = shard(plan, *xs, do, conv[0], conv[2])
                 local_conv = [loc[6], conv[1], loc[7]]
                 tag = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
-                       f"nseq={len(cu) - 1:3d}")
-                # and the cp2hp peer (all-to-all to head shards), where the heads split over the ranks
-                for strategy in STRATEGIES + (("cp2hp",) if H == HV and H % W == 0 else ()):
-                    errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv), oracle, single, plan,
-                                   group)
+                       f"nseq={len(cu) - 1:3d} {backend}")
+                # and the cp2hp peer (all-to-all to head shards, fla's kernels), where the heads split over the ranks
+                strategies = ("relay", "auto") if backend == "qla" else STRATEGIES
+                for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
+                    errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv,
+                                        "fla" if strategy == "cp2hp" else backend), oracle, single, plan, group)
                     lines.append(f"{tag} {strategy:6s} err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()) +
                                  "  one-GPU err=" + " ".join(f"{n}:{e:.1e}" for n, e in floor.items()))
                     if r == 0:
@@ -223,7 +264,8 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                     assert all(e <= allowed(n) for n, e in errs.items()), lines[-1]
                 restore = _exchange_off()
                 try:
-                    off = _errors(_run(plan, group, loc[:5], loc[5], "relay", local_conv), oracle, single, plan, group)
+                    off = _errors(_run(plan, group, loc[:5], loc[5], "relay", local_conv, backend), oracle, single,
+                                  plan, group)
                 finally:
                     restore()
                 lines.append(f"{tag} off    err=" + " ".join(f"{n}:{e:.1e}" for n, e in off.items()))
@@ -269,21 +311,22 @@ def _host_syncs(layouts, out_dir):
             plan = build_plan(cu, layout, W, r, KS)
             loc = shard(plan, *xs, do, conv[0], conv[2])
             local_conv = [loc[6], conv[1], loc[7]]
-            for strategy in STRATEGIES:
-                _run(plan, group, loc[:5], loc[5], strategy, local_conv)
+            backend = _backend(kda, torch.bfloat16)
+            for strategy in ("relay", "auto") if backend == "qla" else STRATEGIES:
+                _run(plan, group, loc[:5], loc[5], strategy, local_conv, backend)
                 torch.cuda.synchronize()
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
                     try:
-                        _run(plan, group, loc[:5], loc[5], strategy, local_conv)
+                        _run(plan, group, loc[:5], loc[5], strategy, local_conv, backend)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
                 where = sorted({f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
                                 if "synchroniz" in str(w.message)})
                 ours = [w for w in where if "megatron_kcp" in w]
-                lines.append(f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {strategy:6s} host syncs in our code: "
-                             f"{ours or 'none'}; elsewhere: {[w for w in where if w not in ours] or 'none'}")
+                lines.append(f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {backend} {strategy:6s} host syncs in "
+                             f"our code: {ours or 'none'}; elsewhere: {[w for w in where if w not in ours] or 'none'}")
                 if r == 0:
                     print(lines[-1], flush=True)
                 assert not ours, lines[-1]

@@ -1,0 +1,214 @@
+"""The local core of a KCP step for GDN on flash-qla's fused TileLang kernels (Hopper, Blackwell).
+
+flash-qla fuses what fla runs as separate kernels: the state pass with the output
+(``fused_gdr_fwd``) and the state-gradient pass with the rest of the backward (``fused_gdr_bwd``),
+about 1.9x fla's Triton kernels on one H200. Its stand-alone passes (``fused_gdr_h``: final states,
+or chunk states; ``fused_gdr_dh``: initial-state gradients) give what the exchange must send early.
+So the core's cut differs from ``core_fla``'s: ``state`` runs a pass only where a successor takes
+the final state, ``output`` runs the fused forward from the initial states (its own state pass),
+``backward_state`` runs a pass only where a predecessor (or the user's initial state) takes the
+gradient, and ``backward_rest`` runs the fused backward from the final-state gradients. Every pass
+keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges them in bf16: it
+is not used). It has no transition maps: ``kcp`` runs it under the relay, or under the all-gather
+where no map is needed.
+
+A pass runs once over the range from the first to the last segment that needs it (every segment
+in between computed and dropped): one launch, never a gather of tokens. On contiguous and zigzag
+layouts that range is one segment a piece; on per-document zigzag it is most of the stream.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kcp.ops.core_fla import Prepared, _Core
+from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+
+QLA_VERSION = "0.1.3"
+HEAD_DIM = 128
+ARCHS = ((9, 0), (10, 0), (10, 3))       # where flash-qla's chunk is 64 and every kernel exists
+
+
+def check_qla(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> None:
+    """Fail early, with the fix, where flash-qla cannot run this problem."""
+    if kda:
+        raise ValueError("backend 'qla' runs GDN only (flash-qla has no KDA kernels): use backend='fla' for KDA")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"backend 'qla' takes bf16 or fp16 inputs, got {dtype}: use backend='fla' for fp32")
+    if head_dims != (HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"backend 'qla' needs K = V = {HEAD_DIM}, got {head_dims}: use backend='fla'")
+    if not torch.cuda.is_available():
+        raise RuntimeError("backend 'qla' needs a CUDA GPU; on CPU use backend='reference'")
+    cap = torch.cuda.get_device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap not in ARCHS:
+        raise RuntimeError(f"backend 'qla' runs on Hopper (sm90) and Blackwell (sm100/103), this GPU is "
+                           f"sm{cap[0]}{cap[1]}: use backend='fla'")
+    try:
+        import flash_qla
+    except ImportError as e:
+        raise RuntimeError(f"backend 'qla' needs flash-qla=={QLA_VERSION}: pip install flash-qla=={QLA_VERSION} "
+                           f"({e})") from e
+    found = getattr(flash_qla, "__version__", None)
+    if found is not None and found != QLA_VERSION:
+        raise RuntimeError(f"megatron_kcp is built against flash-qla {QLA_VERSION}, found {found}: "
+                           f"pip install flash-qla=={QLA_VERSION}")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """flash-qla's entry points the core calls, and fla's l2norm (Triton, tuned once for both cores; the
+    CPU tests put a reference of each contract here)."""
+    from types import SimpleNamespace
+
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from flash_qla.ops.gated_delta_rule import chunk as C
+    from flash_qla.utils.index import prepare_varlen_metadata
+    if C.CHUNK_SIZE != 64:
+        raise RuntimeError(f"flash-qla runs chunks of {C.CHUNK_SIZE} on this GPU; the qla core needs 64: "
+                           "use backend='fla'")
+    return SimpleNamespace(chunk_local_cumsum=C.chunk_local_cumsum, kkt_solve=C.kkt_solve, fused_gdr_h=C.fused_gdr_h,
+                           fused_gdr_fwd=C.fused_gdr_fwd, fused_gdr_dh=C.fused_gdr_dh, fused_gdr_bwd=C.fused_gdr_bwd,
+                           prepare_varlen_metadata=prepare_varlen_metadata, l2norm_fwd=l2norm_fwd,
+                           l2norm_bwd=l2norm_bwd)
+
+
+@functools.lru_cache(maxsize=256)
+def _cu(plan: KCPPlan, lo: int, hi: int, device: str):
+    """(token start, end, int32 cu_seqlens of segments [lo, hi) on the device with flash-qla's chunk
+    metadata attached: its kernels then never read lengths back to the host)."""
+    a, b = plan.token_range(lo, hi)
+    cpu = torch.tensor(plan.cu_seqlens[lo:hi + 1], dtype=torch.int32) - a
+    return a, b, _kernels().prepare_varlen_metadata(cpu.to(device), cpu)
+
+
+def _cover(segs) -> tuple[int, int] | None:
+    return (min(segs), max(segs) + 1) if segs else None
+
+
+@dataclass
+class States:
+    h0: torch.Tensor      # every local segment's initial state, filled as they become known
+
+
+@dataclass
+class Backward:
+    lo: int
+    hi: int
+    xs: tuple             # (q, k, v, g, beta, A, do, h) of the range; h: its chunk states
+    dht: torch.Tensor | None = None   # a row per segment of the range, filled as gradients arrive
+
+
+class GDNQLACore(_Core):
+    """Gated DeltaNet on flash-qla: one log-decay per head (``g`` ``[1, T, HV]``), cumsummed in fp32."""
+
+    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
+        K = _kernels()
+        q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+        qr = kr = None
+        if l2:
+            (q, qr), (k, kr) = K.l2norm_fwd(q), K.l2norm_fwd(k)
+        _, _, cu = _cu(plan, 0, plan.num_segments, str(q.device))
+        # the backward's gate gradient comes out in g's dtype, and flash-qla needs it in fp32
+        gc = K.chunk_local_cumsum(g.float().contiguous(), chunk_size=64, cu_seqlens=cu)
+        A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
+        return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, l2, live=live)
+
+    def cut(self, P: Prepared, lo, hi, *xs):
+        a, b, cu = _cu(P.plan, lo, hi, str(xs[0].device))
+        return [x[:, a:b] for x in xs], cu
+
+    def _range(self, P, lo, hi):
+        q, k, v, g, beta, _, _, A = P.saved
+        return self.cut(P, lo, hi, q, k, v, A, g, beta)
+
+    def states(self, P: Prepared, h0) -> States:
+        return States(h0)
+
+    def state(self, P: Prepared, st: States, segs, h0):
+        """Final states of ``segs`` (rows of the others undefined): a pass over the segments whose
+        final state a successor takes, from their initial states in ``h0``."""
+        need = _cover([s for s in segs if P.plan.succ[s] is not None])
+        if not need:
+            return h0.new_empty(len(segs), *h0.shape[1:])
+        lo, hi = need
+        (_, k, v, A, g, beta), cu = self._range(P, lo, hi)
+        _, ht, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0[lo:hi],
+                                          output_final_state=True, output_h=False, cu_seqlens=cu)
+        return self._rows(ht, segs, lo, hi)
+
+    @staticmethod
+    def _rows(rows, segs, lo, hi):
+        """A row per segment of ``segs`` from ``rows`` (one per segment of [lo, hi); segments outside it undefined)."""
+        if tuple(segs) == tuple(range(lo, hi)):
+            return rows
+        out = rows.new_empty(len(segs), *rows.shape[1:])
+        pos = [j for j, s in enumerate(segs) if lo <= s < hi]
+        out.index_copy_(0, index_tensor(pos, out.device),
+                        rows.index_select(0, index_tensor([segs[j] - lo for j in pos], out.device)))
+        return out
+
+    def output(self, P, st: States, lo, hi):
+        (q, k, v, A, g, beta), cu = self._range(P, lo, hi)
+        o, _, _ = _kernels().fused_gdr_fwd(q=q, k=k, v=v, a=A, g=g, b=beta, scale=P.scale,
+                                           initial_state=st.h0[lo:hi], output_final_state=False,
+                                           output_h=False, cu_seqlens=cu)
+        return o
+
+    def maps(self, P, segs):
+        raise NotImplementedError("the qla core has no transition maps: kcp runs it under the relay, or under "
+                                  "the all-gather where no map is needed")
+
+    def backward_prepare(self, P, lo, hi, h0, do) -> Backward:
+        """The chunk states from the initial states (the fused backward reads them), while the
+        final-state gradients travel."""
+        (q, k, v, A, g, beta), cu = self._range(P, lo, hi)
+        do = do[:, slice(*P.plan.token_range(lo, hi))]
+        h, _, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0, output_final_state=False,
+                                         output_h=True, cu_seqlens=cu)
+        return Backward(lo, hi, (q, k, v, g, beta, A, do, h))
+
+    def backward_state(self, P: Prepared, B: Backward, segs, dht):
+        """Initial-state gradients of ``segs`` (rows of the others undefined): a pass over the
+        segments whose gradient leaves (a predecessor's, or the user's initial state's)."""
+        B.dht = dht
+        need = _cover([s for s in segs if P.live is None or s in P.live])
+        if not need:
+            return dht.new_empty(len(segs), *dht.shape[1:])
+        lo, hi = need
+        (q, k, _, A, g, beta), cu = self._range(P, lo, hi)
+        a = P.plan.token_range(B.lo, B.hi)[0]
+        do = B.xs[6][:, slice(*(t - a for t in P.plan.token_range(lo, hi)))]
+        _, dh0 = _kernels().fused_gdr_dh(q=q, k=k, a=A, g=g, b=beta, do=do, dht=dht[lo - B.lo:hi - B.lo],
+                                         output_dh0=True, output_dh=False, scale=P.scale, cu_seqlens=cu)
+        return self._rows(dh0, segs, lo, hi)
+
+    def backward_rest(self, P, B: Backward):
+        if B.dht is None:
+            raise RuntimeError("backward_rest before backward_state: the final-state gradients are unknown")
+        K = _kernels()
+        q, k, v, g, beta, A, do, h = B.xs
+        _, _, cu = _cu(P.plan, B.lo, B.hi, str(q.device))
+        dq, dk, dv, dg, db, _ = K.fused_gdr_bwd(q=q, k=k, v=v, a=A, g=g, b=beta, do=do, dht=B.dht, h=h,
+                                                scale=P.scale, cu_seqlens=cu)
+        H, HV = k.shape[2], v.shape[2]
+        if HV > H:                               # grouped value heads: q/k gradients summed per q/k head
+            dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(3)
+            dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(3)
+        dg = K.chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, zero_last_chunk=True)
+        return dq, dk, dv, dg, db
+
+    def finish(self, P: Prepared, grads):
+        dq, dk, dv, dg, db = grads
+        if P.l2:
+            q, k, _, _, _, qr, kr = P.saved[:7]
+            dq, dk = _kernels().l2norm_bwd(q, qr, dq), _kernels().l2norm_bwd(k, kr, dk)
+        return dq, dk, dv, dg, db
+
+
+def core(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> GDNQLACore:
+    check_qla(device, dtype, kda, head_dims)
+    from megatron_kcp.ops import core_fla
+    core_fla._checked(device.index if device.index is not None else torch.cuda.current_device())  # fla's l2norm
+    return GDNQLACore()

@@ -1,0 +1,88 @@
+"""CPU: the qla core's logic over flash-qla's kernel contracts (``tests/ops/qla_contracts.py``), and
+which core and exchange ``kcp.kernels`` picks.
+
+The qla core runs a pass only over the segments whose state (gradient) leaves, feeds the fused
+kernels each segment's initial state and final-state gradient, and reduces grouped heads: on CPU
+ranks against the oracle, every layout, both strategies it runs, with user initial states, and on
+the long-memory batch with the exchange switched off (which must miss). The real kernels are
+checked against the same oracle on the GPU (tests/parallel/test_kcp_gpu.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_kcp.ops import core_qla, kcp
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan
+from tests.distributed import spawn
+from tests.parallel.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
+from tests.parallel.test_kcp_cpu import TOL, _compare, _exchange_off, _group
+
+CU = (0, 1024)
+
+
+def _qkvg(dtype=torch.bfloat16, K=128, kda=False):
+    q = torch.zeros(1, 512, 2, K, dtype=dtype)
+    v = torch.zeros(1, 512, 2, K, dtype=dtype)
+    g = torch.zeros(1, 512, 2, *((K,) if kda else ()))
+    return q, v, g
+
+
+def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
+    zig, con = build_plan(CU, "zigzag", 2, 1, 4), build_plan(CU, "contiguous", 2, 1, 4)
+    q, v, g = _qkvg()
+    assert kcp.kernels("auto", q, v, g, zig) == ("reference", "relay")
+    # zigzag's middle pieces continue their sequence both ways: the all-gather would need maps
+    assert kcp.kernels("qla", q, v, g, zig) == ("qla", "relay")
+    assert kcp.kernels("qla", q, v, g, zig, "relay") == ("qla", "relay")
+    assert kcp.kernels("qla", q, v, g, con) == ("qla", "gather")       # no maps: the cost model's pick
+    assert kcp.kernels("fla", q, v, g, zig, "gather") == ("fla", "gather")
+    with pytest.raises(ValueError, match="strategy='relay'"):
+        kcp.kernels("qla", q, v, g, zig, "gather")
+    with pytest.raises(ValueError, match="unknown KCP backend"):
+        kcp.kernels("flashqla", q, v, g, zig)
+
+
+@pytest.mark.parametrize("case,match", [
+    (dict(kda=True), "GDN only"), (dict(dtype=torch.float32), "bf16 or fp16"), (dict(K=64), "K = V = 128"),
+    (dict(), "CUDA GPU")])
+def test_qla_refuses_what_it_cannot_run(case, match):
+    q, v, g = _qkvg(**case)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        core_qla.check_qla(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
+    assert not kcp.qla_runs(q, v, g)
+
+
+def _qla_cases(layouts):
+    from tests.ops import qla_contracts
+    qla_contracts.install()
+    group = _group()
+    W = dist.get_world_size(group)
+    for layout in layouts:
+        for seed, kind in enumerate(("random", "single", "edges", "tiny")):
+            gen = torch.Generator().manual_seed(seed)
+            cu = random_cu_seqlens(gen, layout, W, kind)
+            xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4, 8, 6, False)   # grouped heads: HV = 2H
+            for strategy in ("auto", "relay"):
+                for init in (None, xs[5]):
+                    errs = _compare(cu, xs[:5], init, layout, strategy, seed % 2 == 0, group, seed, backend="qla")
+                    bad = {k: v for k, v in errs.items() if not v <= TOL}
+                    assert not bad, f"qla {layout} {kind} {strategy} init={init is not None} cu={cu}: {bad}"
+        gen = torch.Generator().manual_seed(7 + W)
+        cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
+        xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)
+        errs = _compare(cu, xs, None, layout, "auto", True, group, W, backend="qla")
+        assert max(errs.values()) <= TOL, f"qla {layout} long memory: {errs}"
+        restore = _exchange_off()
+        try:
+            off = _compare(cu, xs, None, layout, "relay", True, group, W, backend="qla")
+        finally:
+            restore()
+        weak = {k: v for k, v in off.items() if not v >= 10 * TOL}
+        assert not weak, f"qla {layout} W={W}: without the exchange these still match: {weak}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_qla_core_matches_oracle(world_size):
+    spawn(_qla_cases, world_size, LAYOUTS)
