@@ -199,7 +199,8 @@ def _cp2hp(plan: KCPPlan, group, kda: bool, backend: str, scale: float, l2: bool
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
 
         def kernel(q, k, v, g, beta, cu, cu_cpu):
-            return fn(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+            # fp32 gate: fla 0.6.0 sends GDN to flash-qla when that is installed, whose backward needs it
+            return fn(q, k, v, g.float(), beta, scale=scale, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
                       cu_seqlens_cpu=cu_cpu)[0]
     else:
         from megatron_kcp.ops import reference
