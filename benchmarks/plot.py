@@ -80,22 +80,24 @@ def plot(rows: list[dict], path: str) -> str:
 
 
 def crossover(rows: list[dict]) -> list[str]:
-    """Per (model, T, docs, H, layout) of a simulate.py CSV: the predicted efficiency of each strategy
-    at each W, and the smallest W from which the all-gather is ahead (what strategy.RELAY_MAX_W sets)."""
+    """Per (model, T, docs, H, layout, core) of a simulate.py CSV: the predicted efficiency of each
+    strategy at each W, and the smallest W from which the all-gather is ahead (what strategy.RELAY_MAX_W
+    sets)."""
     cases = defaultdict(dict)
     for r in rows:
         eff = _num(r.get("eff"))
         if math.isfinite(eff):
-            cases[(r["model"], r["tokens"], r["docs"], r["heads"], r["layout"])][(int(r["W"]), r["strategy"])] = eff
+            key = (r["model"], r["tokens"], r["docs"], r["heads"], r["layout"], r.get("backend") or "fla")
+            cases[key][(int(r["W"]), r["strategy"])] = eff
     out = []
-    for (model, T, docs, H, layout), effs in sorted(cases.items()):
+    for (model, T, docs, H, layout, backend), effs in sorted(cases.items()):
         ws = sorted({w for w, _ in effs})
 
         def cell(w):
             return "/".join(f"{effs[(w, s)]:.2f}" if (w, s) in effs else "-" for s in ("relay", "gather"))
         cells = " ".join(f"W={w}: {cell(w)}" for w in ws)
         ahead = [w for w in ws if effs.get((w, "gather"), -1) > effs.get((w, "relay"), math.inf)]
-        out.append(f"{model} T={T} {docs} H={H} {layout}: eff relay/gather {cells}; all-gather ahead from "
+        out.append(f"{model} T={T} {docs} H={H} {layout} {backend}: eff relay/gather {cells}; all-gather ahead from "
                    + (f"W={ahead[0]}" if ahead else "none of these W"))
     return out
 
@@ -113,7 +115,7 @@ def plot_predicted(rows: list[dict], path: str) -> str:
         eff = _num(r.get("eff"))
         if math.isfinite(eff):
             key = f"{r['model']} T={r['tokens']} {r['docs']} H={r['heads']}"
-            panels[key][f"{r['layout']} {r['strategy']}"].append((int(r["W"]), eff))
+            panels[key][f"{r['layout']} {r['strategy']} {r.get('backend') or 'fla'}"].append((int(r["W"]), eff))
     if not panels:
         return "no PNG: the CSV has no predicted efficiencies"
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
@@ -121,7 +123,7 @@ def plot_predicted(rows: list[dict], path: str) -> str:
         for label, pts in sorted(lines.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                    ls="-" if label.endswith("relay") else "--")
+                    ls="-" if " relay" in label else "--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("CP size W")
         ax.set_title(f"{title}: predicted t_noCP / (W t)")

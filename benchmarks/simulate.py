@@ -1,11 +1,12 @@
 """Predicted CP step time of KCP on W GPUs from one GPU: each rank's local work timed alone, a modelled link.
 
     python benchmarks/simulate.py --models GDN KDA --tokens 32768 --heads 64 --docs single varlen varlen100 \\
-        --cp 2 4 --layouts contiguous zigzag zigzag_per_doc --strategies relay gather --csv sim.csv
+        --cp 2 4 --layouts contiguous zigzag zigzag_per_doc --strategies relay gather --backends fla qla --csv sim.csv
     python benchmarks/simulate.py --smoke          # CPU, reference core, tiny sizes: checks the script
 
 With one GPU, a CP=W step cannot be timed, but each rank's part of it can. For every rank in turn its
-KCP forward+backward (``kcp.gated_delta_rule`` on its shard, the fla core on CUDA) runs with the
+KCP forward+backward (``kcp.gated_delta_rule`` on its shard, the --backends cores on CUDA: fla's,
+flash-qla's; the reference on CPU) runs with the
 exchange stubbed: relay's ``P2P`` and gather's ``all_gather`` move nothing (a receive leaves zeros, an
 all-gather returns W copies of the local buffer: the kernels cost the same whatever the states hold)
 and mark the rank's timeline in stream order: ('send', peer, bytes), ('wait', peer), ('allgather',
@@ -17,7 +18,7 @@ events (CPU: perf_counter), median over --iters after --warmup calls (fla autotu
 t + alpha + bytes/bw and does not stall the sender; a wait stalls until the peer's next message has
 arrived; an all-gather (ring) releases every rank at the last arrival + (W-1)(alpha + bytes/bw). The
 prediction is the slowest rank's clock at the 'phase' mark (fwd) and at the end (fwd+bwd); eff =
-t_noCP / (W t_pred), noCP being the same op at W=1 on the same device. Busy: a rank's compute; idle:
+t_noCP / (W t_pred), noCP being the same op at W=1 on the same device and core. Busy: a rank's compute; idle:
 its time blocked (its end clock minus busy). Sent: bytes a rank puts on the link (ring all-gather:
 W-1 times its buffer).
 
@@ -48,7 +49,7 @@ from benchmarks.common import CONV, DOCS, cu_seqlens, fresh_leaves, problem  # n
 from megatron_kcp.parallel import gather, relay  # noqa: E402
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
-COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "noCP_fwd_ms", "noCP_ms", "pred_fwd_ms",
+COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "backend", "noCP_fwd_ms", "noCP_ms", "pred_fwd_ms",
            "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")
 NO_GROUP = object()            # the CP group KCP is given: only the stubs would use it, and they ignore it
 
@@ -94,12 +95,12 @@ class Recorder:
         return x.unsqueeze(0).expand(self.W, *x.shape).contiguous()
 
 
-def rank_timeline(plan, xs, do, strategy: str, args) -> list[tuple]:
+def rank_timeline(plan, xs, do, strategy: str, backend: str, args) -> list[tuple]:
     """One rank's KCP fwd+bwd as a timeline: ('compute', seconds) between its exchange points."""
     from megatron_kcp.ops import kcp
     idx = local_token_index(plan).to(do.device)
     leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
-    backend = "fla" if do.is_cuda else "reference"
+    backend = backend if do.is_cuda else "reference"
     runs = []
 
     def step():
@@ -117,7 +118,8 @@ def rank_timeline(plan, xs, do, strategy: str, args) -> list[tuple]:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if do.is_cuda else [])) as prof:
             step()
-        print(f"\n== rank {plan.rank} of W={plan.world_size}, {plan.layout}, {strategy}: one fwd+bwd", flush=True)
+        print(f"\n== rank {plan.rank} of W={plan.world_size}, {plan.layout}, {strategy}, {backend}: one fwd+bwd",
+              flush=True)
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if do.is_cuda else "self_cpu_time_total",
                                         row_limit=args.profile, max_name_column_width=70), flush=True)
     points, runs = runs[-1][0], runs[args.warmup:]
@@ -169,10 +171,10 @@ def simulate(timelines, alpha: float, bw: float):
     return clock, phase
 
 
-def case(cu, W, layout, strategy, xs, do, nocp, args) -> dict:
+def case(cu, W, layout, strategy, backend, xs, do, nocp, args) -> dict:
     """One row's numbers: every rank's timeline, simulated together; ``nocp`` = (fwd, fwd+bwd) seconds at W=1."""
     alpha, bw = args.alpha_us * 1e-6, args.bw_gbs * 1e9
-    tls = [rank_timeline(build_plan(cu, layout, W, r, CONV), xs, do, strategy, args) for r in range(W)]
+    tls = [rank_timeline(build_plan(cu, layout, W, r, CONV), xs, do, strategy, backend, args) for r in range(W)]
     ends, fwd = simulate(tls, alpha, bw)
     slow = max(range(W), key=ends.__getitem__)
     busy = sum(x[1] for x in tls[slow] if x[0] == "compute")
@@ -187,7 +189,7 @@ def case(cu, W, layout, strategy, xs, do, nocp, args) -> dict:
 def show(r) -> str:
     """One printed row (the header's columns); a failed case shows its note."""
     head = (f"{r['model']:5s} {r['tokens']:7d} {r['docs']:9s} {r['heads']:4d} {r['W']:3d} {r['layout']:14s} "
-            f"{r['strategy']:8s}")
+            f"{r['strategy']:8s} {r['backend']:7s}")
     if r.get("note"):
         return f"{head} {r['note']}"
     mib = "/".join(f"{int(b) / 2**20:.2f}" for b in r["sent_bytes"].split("/"))
@@ -195,7 +197,7 @@ def show(r) -> str:
     return f"{head} {ms} {r['eff_fwd']:7.3f} {r['eff']:6.3f} {r['busy_ms']:9.3f}/{r['idle_ms']:<9.3f} {mib}"
 
 
-HEADER = (f"{'model':5s} {'tokens':>7s} {'docs':9s} {'H':>4s} {'W':>3s} {'layout':14s} {'strategy':8s} "
+HEADER = (f"{'model':5s} {'tokens':>7s} {'docs':9s} {'H':>4s} {'W':>3s} {'layout':14s} {'strategy':8s} {'backend':7s} "
           f"{'noCP_fwd':>9s} {'noCP':>9s} {'pred_fwd':>9s} {'pred':>9s} {'eff_fwd':>7s} {'eff':>6s} "
           "busy/idle(slowest)  MiB sent per rank")
 
@@ -211,6 +213,9 @@ def main(argv=None):
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="CP sizes W to predict (any, on one device)")
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     p.add_argument("--strategies", nargs="+", choices=["relay", "gather"], default=["relay", "gather"])
+    p.add_argument("--backends", nargs="+", choices=["fla", "qla"], default=["fla"],
+                   help="local cores (qla: flash-qla's fused GDN kernels; it has no maps, so its 'gather' rows "
+                        "exist only where none is needed); on CPU the reference stands in for fla")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -221,6 +226,8 @@ def main(argv=None):
                    help="also print each rank's kernel table (torch.profiler, one step), ROWS kernels")
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
+    if args.smoke and "qla" in args.backends:
+        p.error("--backends qla needs a Hopper or Blackwell GPU (flash-qla has no CPU kernels): drop it with --smoke")
     if args.smoke:                                    # tiny sizes where not given; 100 documents need more tokens
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         tiny = {"--tokens": [256], "--heads": [2], "--head-dim": 16, "--dtype": "float32", "--cp": [2],
@@ -246,16 +253,18 @@ def run(args, dev) -> list[dict]:
     rows = []
     for model, T, H in itertools.product(args.models, args.tokens, args.heads):
         xs, do = problem(model, T, H, args.head_dim, getattr(torch, args.dtype), dev, seed=T + H)
-        nocp = {}                                      # (fwd, fwd+bwd) seconds at W=1, per cu_seqlens
-        for docs, W, layout, strategy in itertools.product(args.docs, args.cp, args.layouts, args.strategies):
-            row = dict(model=model, tokens=T, docs=docs, heads=H, W=W, layout=layout, strategy=strategy)
+        nocp = {}                                      # (fwd, fwd+bwd) seconds at W=1, per cu_seqlens and core
+        for docs, W, layout, backend, strategy in itertools.product(args.docs, args.cp, args.layouts, args.backends,
+                                                                     args.strategies):
+            row = dict(model=model, tokens=T, docs=docs, heads=H, W=W, layout=layout, strategy=strategy,
+                       backend=backend)
             try:
                 cu = cu_seqlens(docs, T, pad=2 * W)
-                if cu not in nocp:
-                    tl = rank_timeline(build_plan(cu, "contiguous", 1, 0, CONV), xs, do, "relay", args)
+                if (cu, backend) not in nocp:
+                    tl = rank_timeline(build_plan(cu, "contiguous", 1, 0, CONV), xs, do, "relay", backend, args)
                     (end,), (fwd,) = simulate([tl], 0.0, 1.0)
-                    nocp[cu] = fwd, end
-                row.update(case(cu, W, layout, strategy, xs, do, nocp[cu], args))
+                    nocp[cu, backend] = fwd, end
+                row.update(case(cu, W, layout, strategy, backend, xs, do, nocp[cu, backend], args))
             except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
                 row["note"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             print(show(row), flush=True)

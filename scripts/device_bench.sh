@@ -9,9 +9,10 @@
 # first token count; profile = torch.profiler's kernel table of noCP and kcp there; ops = op level
 # at KCP_BENCH_HEADS over the token counts; layers = layer level; predict = simulate.py on the first
 # GPU: each rank's local work under the plans of W = KCP_PREDICT_W (default "4 8 16 32 64") at
-# KCP_PREDICT_TOKENS (262144) tokens and KCP_BENCH_HEADS heads, replayed over the link fitted on
-# 2 x H200 (alpha 60 us, 332 GB/s), with plot.py's efficiency-vs-W table and crossover (predict.csv,
-# predict.png). Then the exchange model beside the measured exchange.
+# KCP_PREDICT_TOKENS (262144) tokens and KCP_BENCH_HEADS heads, for KCP_PREDICT_MODELS ("GDN KDA"),
+# KCP_PREDICT_DOCS ("single varlen") and the cores KCP_PREDICT_BACKENDS ("fla qla"), replayed over
+# the link fitted on 2 x H200 (alpha 60 us, 332 GB/s), with plot.py's efficiency-vs-W table and
+# crossover (predict.csv, predict.png). Then the exchange model beside the measured exchange.
 # Env: KCP_BENCH_W (CP size, default every GPU), KCP_BENCH_BUDGET (seconds for all stages, default
 # 480: fits a 10-minute call with the bundle's unpacking), KCP_BENCH_TOKENS (op level, default
 # "32768 131072 262144"), KCP_BENCH_HEADS (16), KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS
@@ -60,10 +61,11 @@ stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
 # shellcheck disable=SC2086  # word splitting of the W list is intended
 predict() {  # hard limit s: simulate.py writes its CSV row by row, so a stopped run still reports
   local t0=$SECONDS smoke=()
-  [[ " ${extra[*]:-} " == *" --smoke "* ]] && smoke=(--smoke)     # the CPU check (reference core)
-  timeout -k 15 "$1" python benchmarks/simulate.py --models GDN KDA --tokens "${KCP_PREDICT_TOKENS:-262144}" \
-    --heads "$heads" --docs single varlen --cp ${KCP_PREDICT_W:-4 8 16 32 64} --alpha-us 60 --bw-gbs 332 \
-    --iters 3 --warmup 1 "${smoke[@]}" --csv "$OUT/predict.csv" > "$logs/predict.log" 2>&1
+  [[ " ${extra[*]:-} " == *" --smoke "* ]] && smoke=(--smoke --backends fla)  # the CPU check (reference core)
+  timeout -k 15 "$1" python benchmarks/simulate.py --models ${KCP_PREDICT_MODELS:-GDN KDA} \
+    --tokens "${KCP_PREDICT_TOKENS:-262144}" --heads "$heads" --docs ${KCP_PREDICT_DOCS:-single varlen} \
+    --cp ${KCP_PREDICT_W:-4 8 16 32 64} --backends ${KCP_PREDICT_BACKENDS:-fla qla} --alpha-us 60 --bw-gbs 332 \
+    --iters 3 --warmup 1 ${smoke[@]+"${smoke[@]}"} --csv "$OUT/predict.csv" > "$logs/predict.log" 2>&1
   echo "predict: exit $? after $((SECONDS - t0)) s (hard ${1}s)" | tee -a "$logs/summary.txt"
   [ -f "$OUT/predict.csv" ] && python benchmarks/plot.py "$OUT/predict.csv" -o "$OUT/predict.png" >> "$logs/predict.log" 2>&1
 }

@@ -94,15 +94,17 @@ def test_plot_crossover_of_predictions():
     """plot.py on a simulate.py CSV: each case's efficiencies per W and the first W where the all-gather leads."""
     from benchmarks import plot
 
-    def row(W, strategy, eff, layout="zigzag"):
+    def row(W, strategy, eff, layout="zigzag", backend="fla"):
         return dict(model="GDN", tokens="262144", docs="single", heads="16", W=str(W), layout=layout,
-                    strategy=strategy, eff=str(eff))
+                    strategy=strategy, backend=backend, eff=str(eff))
     rows = [row(4, "relay", 0.8), row(4, "gather", 0.7), row(8, "relay", 0.5), row(8, "gather", 0.6),
             row(16, "relay", 0.3), row(16, "gather", 0.5), row(4, "relay", 0.9, "contiguous"),
-            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous")]
-    zigzag, contiguous = sorted(plot.crossover(rows), key=lambda ln: "contiguous" in ln)
-    assert zigzag.endswith("W=4: 0.80/0.70 W=8: 0.50/0.60 W=16: 0.30/0.50; all-gather ahead from W=8"), zigzag
+            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous"), row(4, "relay", 0.95, backend="qla")]
+    contiguous, zigzag, qla = sorted(plot.crossover(rows))
+    assert zigzag.endswith("zigzag fla: eff relay/gather W=4: 0.80/0.70 W=8: 0.50/0.60 W=16: 0.30/0.50; "
+                           "all-gather ahead from W=8"), zigzag
     assert contiguous.endswith("W=4: 0.90/0.80; all-gather ahead from none of these W"), contiguous
+    assert qla.endswith("zigzag qla: eff relay/gather W=4: 0.95/-; all-gather ahead from none of these W"), qla
 
 
 def test_exchange_model_by_hand():

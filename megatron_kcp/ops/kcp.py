@@ -4,7 +4,8 @@ One CP step for every layout and any number of documents: a *core* computes on r
 local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"qla"``: flash-qla's
 fused GDN kernels, ``core_qla``; ``"reference"``: the pure-PyTorch oracle, ``core_reference``;
 ``"auto"``: qla where it runs (GDN, bf16/fp16, K = V = 128, Hopper or Blackwell, flash-qla
-installed) unless the step needs transition maps, fla elsewhere on CUDA, the reference on CPU) and an
+installed) and is worth it (``qla_worth``) unless the step needs transition maps, fla elsewhere on
+CUDA, the reference on CPU) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
 cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, which has no maps, the relay
@@ -20,7 +21,7 @@ import torch
 
 from megatron_kcp.ops import conv_reference
 from megatron_kcp.parallel.gather import AllGather
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, index_tensor
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, build_plan, cp_group_from_megatron, index_tensor
 from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.strategy import STRATEGIES, choose, needs_maps
 
@@ -49,13 +50,37 @@ def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, pla
     if backend == "auto":
         if not q.is_cuda:
             return "reference", name
-        backend = "qla" if not maps and qla_runs(q, v, g) else "fla"
+        backend = "qla" if not maps and qla_worth(plan, v.shape[2]) and qla_runs(q, v, g) else "fla"
     if backend == "qla" and maps:
         if strategy == "gather":
             raise ValueError("backend 'qla' has no transition maps, which the all-gather needs on this layout: "
                              "use strategy='relay' (or 'auto'), or backend='fla'")
         name = "relay"
     return backend, name
+
+
+QLA_MIN_CHAINS = 32          # heads x (local tokens / longest local segment): below, qla's scans are latency-bound
+QLA_MAX_INTERLEAVED = 64     # segments a rank holds on per-document zigzag: above, qla's covering passes lose
+
+
+def qla_worth(plan: KCPPlan, value_heads: int) -> bool:
+    """Whether flash-qla's fused kernels beat fla's on this plan, from what every rank shares (all ranks
+    must pick alike). qla runs a segment's state pass and its output as one scan per head, so a
+    rank's time is at least its longest segment's scan: with few heads and one long segment per rank
+    (GDN, H = 16, one 32k sequence, 2 x H200) it is latency-bound, 6.2 ms against fla's 5.1; with
+    10 documents, 3.5 against 6.0, and at H = 64 1.3-2.4x ahead of fla. On per-document zigzag its
+    state passes cover the whole range between the segments that need them: at 100 documents (200
+    segments a rank, H = 64) 30.2 ms against fla's 26.6, at 10 (20 segments) 8.9 against 11.8."""
+    return _qla_worth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> bool:
+    plans = [build_plan(cu_seqlens, layout, world_size, r) for r in range(world_size)]
+    chains = min(p.num_local_tokens / max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    if value_heads * chains < QLA_MIN_CHAINS:
+        return False
+    return layout != "zigzag_per_doc" or max(p.num_segments for p in plans) <= QLA_MAX_INTERLEAVED
 
 
 def qla_runs(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
@@ -189,7 +214,6 @@ def _cp2hp(plan: KCPPlan, group, kda: bool, backend: str, scale: float, l2: bool
     single-device kernel (o of the whole sequence, this rank's heads): fla's chunk kernel on CUDA, the
     chunked reference elsewhere."""
     from megatron_kcp.parallel.cp2hp import CP2HP
-    from megatron_kcp.parallel.plan import build_plan
     if backend == "fla":
         from megatron_kcp.ops import core_fla
         core_fla.core(kda=kda, device=device)          # the environment check

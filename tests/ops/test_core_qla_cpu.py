@@ -44,6 +44,19 @@ def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
         kcp.kernels("flashqla", q, v, g, zig)
 
 
+@pytest.mark.parametrize("docs,layout,heads,worth", [
+    ("single", "contiguous", 16, False), ("single", "zigzag", 16, False), ("single", "zigzag_per_doc", 16, False),
+    ("varlen", "contiguous", 16, True), ("varlen", "zigzag", 16, True), ("varlen", "zigzag_per_doc", 16, True),
+    ("single", "contiguous", 64, True), ("single", "zigzag", 64, True), ("varlen", "zigzag_per_doc", 64, True),
+    ("varlen100", "zigzag", 64, True), ("varlen100", "zigzag_per_doc", 64, False)])
+def test_auto_takes_qla_where_it_measured_faster(docs, layout, heads, worth):
+    """The crossovers of the 2 x H200 runs (BENCHMARKS.md): one long segment a rank at 16 heads leaves qla's
+    scans latency-bound; documents or 64 heads do not; 200 interleaved segments a rank cost its covering passes."""
+    from benchmarks.common import cu_seqlens
+    plan = build_plan(cu_seqlens(docs, 32768, pad=4), layout, 2, 0, 4)
+    assert kcp.qla_worth(plan, heads) is worth
+
+
 @pytest.mark.parametrize("case,match", [
     (dict(kda=True), "GDN only"), (dict(dtype=torch.float32), "bf16 or fp16"), (dict(K=64), "K = V = 128"),
     (dict(), "CUDA GPU")])
