@@ -81,8 +81,8 @@ def plot(rows: list[dict], path: str) -> str:
 
 def crossover(rows: list[dict]) -> list[str]:
     """Per (model, T, docs, H, layout, core) of a simulate.py CSV: the predicted efficiency of each
-    strategy at each W, and the smallest W from which the all-gather is ahead (what strategy.RELAY_MAX_W
-    sets)."""
+    strategy at each W, and the smallest W from which the all-gather is ahead (what strategy.costs is
+    fitted to)."""
     cases = defaultdict(dict)
     for r in rows:
         eff = _num(r.get("eff"))

@@ -49,8 +49,8 @@ from benchmarks.common import CONV, DOCS, cu_seqlens, fresh_leaves, problem  # n
 from megatron_kcp.parallel import gather, relay  # noqa: E402
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
-COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "backend", "noCP_fwd_ms", "noCP_ms", "pred_fwd_ms",
-           "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")
+COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "backend", "noCP_fwd_ms", "noCP_ms",
+           "pred_fwd_ms", "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")
 NO_GROUP = object()            # the CP group KCP is given: only the stubs would use it, and they ignore it
 
 
@@ -254,8 +254,8 @@ def run(args, dev) -> list[dict]:
     for model, T, H in itertools.product(args.models, args.tokens, args.heads):
         xs, do = problem(model, T, H, args.head_dim, getattr(torch, args.dtype), dev, seed=T + H)
         nocp = {}                                      # (fwd, fwd+bwd) seconds at W=1, per cu_seqlens and core
-        for docs, W, layout, backend, strategy in itertools.product(args.docs, args.cp, args.layouts, args.backends,
-                                                                     args.strategies):
+        cases = itertools.product(args.docs, args.cp, args.layouts, args.backends, args.strategies)
+        for docs, W, layout, backend, strategy in cases:
             row = dict(model=model, tokens=T, docs=docs, heads=H, W=W, layout=layout, strategy=strategy,
                        backend=backend)
             try:

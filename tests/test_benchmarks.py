@@ -99,7 +99,8 @@ def test_plot_crossover_of_predictions():
                     strategy=strategy, backend=backend, eff=str(eff))
     rows = [row(4, "relay", 0.8), row(4, "gather", 0.7), row(8, "relay", 0.5), row(8, "gather", 0.6),
             row(16, "relay", 0.3), row(16, "gather", 0.5), row(4, "relay", 0.9, "contiguous"),
-            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous"), row(4, "relay", 0.95, backend="qla")]
+            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous"),
+            row(4, "relay", 0.95, backend="qla")]
     contiguous, zigzag, qla = sorted(plot.crossover(rows))
     assert zigzag.endswith("zigzag fla: eff relay/gather W=4: 0.80/0.70 W=8: 0.50/0.60 W=16: 0.30/0.50; "
                            "all-gather ahead from W=8"), zigzag

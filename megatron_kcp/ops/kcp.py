@@ -44,7 +44,7 @@ def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, pla
         raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {EXCHANGES}")
-    name = choose(plan) if strategy == "auto" else strategy
+    name = choose(plan, v.shape[2]) if strategy == "auto" else strategy
     maps = name == "gather" and plan.world_size > 1 and needs_maps(plan.global_cu_seqlens, plan.layout,
                                                                    plan.world_size)
     if backend == "auto":
