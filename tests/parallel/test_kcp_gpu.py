@@ -86,6 +86,24 @@ def _run(plan, group, xs, do, strategy, conv, backend="fla"):
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "conv_y", "dconv_x", "dconv_w"]
 
 
+def _one_gpu_against_reference(backend, gen, cu, xs, HV) -> dict[str, float]:
+    """Relative errors of ``backend``'s core against the fp64 reference core on one GPU: output and
+    every input gradient, without and with the user's initial states (and their gradient)."""
+    do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", xs[0].dtype)
+    init = torch.randn(len(cu) - 1, HV, K, V, generator=gen).cuda() * 0.1
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    out = {}
+    for b in (backend, "reference"):
+        ys = [x.detach().clone().requires_grad_() for x in xs]
+        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=b)
+        out[b] = [o, *torch.autograd.grad(o, ys, do)]
+        ys = [x.detach().clone().requires_grad_() for x in (*xs, init)]
+        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=b)
+        out[b] += [o, *torch.autograd.grad(o, ys, do)]
+    names = NAMES[:6] + [n + "|h0" for n in NAMES[:6]] + ["dh0|h0"]
+    return {n: rel_err(a, b) for n, a, b in zip(names, out[backend], out["reference"])}
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
@@ -95,19 +113,7 @@ def test_fla_matches_reference(kda, dtype):
     gen = torch.Generator().manual_seed(1)
     cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
     xs = random_inputs(gen, cu[-1], len(cu) - 1, H, HV, K, V, kda, dtype=dtype, device="cuda")[:5]
-    do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", dtype)
-    init = torch.randn(len(cu) - 1, HV, K, V, generator=gen).cuda() * 0.1
-    plan = build_plan(cu, "contiguous", 1, 0, KS)
-    out = {}
-    for backend in ("fla", "reference"):
-        ys = [x.detach().clone().requires_grad_() for x in xs]
-        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=backend)
-        out[backend] = [o, *torch.autograd.grad(o, ys, do)]
-        ys = [x.detach().clone().requires_grad_() for x in (*xs, init)]
-        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=backend)
-        out[backend] += [o, *torch.autograd.grad(o, ys, do)]
-    names = NAMES[:6] + [n + "|h0" for n in NAMES[:6]] + ["dh0|h0"]
-    errs = {n: rel_err(a, b) for n, a, b in zip(names, out["fla"], out["reference"])}
+    errs = _one_gpu_against_reference("fla", gen, cu, xs, HV)
     print(f"fla vs reference {'KDA' if kda else 'GDN'} {dtype}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
           flush=True)
     assert all(e <= tolerance(n.split("|")[0], dtype, kda) for n, e in errs.items()), errs
@@ -127,19 +133,7 @@ def test_qla_matches_reference(heads):
         core_qla.check_qla(xs[0].device, xs[0].dtype, False, (K, V))
     except RuntimeError as e:
         pytest.skip(str(e))
-    do = torch.randn(1, cu[-1], heads[1], V, generator=gen).to("cuda", torch.bfloat16)
-    init = torch.randn(len(cu) - 1, heads[1], K, V, generator=gen).cuda() * 0.1
-    plan = build_plan(cu, "contiguous", 1, 0, KS)
-    out = {}
-    for backend in ("qla", "reference"):
-        ys = [x.detach().clone().requires_grad_() for x in xs]
-        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=backend)
-        out[backend] = [o, *torch.autograd.grad(o, ys, do)]
-        ys = [x.detach().clone().requires_grad_() for x in (*xs, init)]
-        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=backend)
-        out[backend] += [o, *torch.autograd.grad(o, ys, do)]
-    names = NAMES[:6] + [n + "|h0" for n in NAMES[:6]] + ["dh0|h0"]
-    errs = {n: rel_err(a, b) for n, a, b in zip(names, out["qla"], out["reference"])}
+    errs = _one_gpu_against_reference("qla", gen, cu, xs, heads[1])
     print(f"qla vs reference GDN H,HV={heads}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
     assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
 
