@@ -14,6 +14,9 @@ batches), heads H (K = V = --head-dim) and pass (fwd, fwd+bwd), one row per meth
 * ``cp2hp``  megatron-core GatedDeltaNet's scheme: one all-to-all of [q|k|v|g|beta] from sequence
              shards (zigzag) to head shards (each rank: the whole sequence, H/W heads), fla's chunk
              kernel, one all-to-all of o back; backward runs the same two in reverse;
+* ``cp2hp-qla`` the same with flash-qla's own call (its intra-GPU split) as the kernel: what
+             megatron-core's GatedDeltaNet runs where flash-qla is installed (fla hands it GDN; GDN,
+             Hopper/Blackwell, K = V = 128);
 * ``kcp-relay``, ``kcp-gather``  ``megatron_kcp.ops.kcp.gated_delta_rule`` (backend fla) with either
              exchange strategy (``kcp``: the cost model's pick), on every --layouts: contiguous,
              zigzag and Megatron's per-document zigzag of packed batches (zigzag_per_doc);
@@ -115,7 +118,8 @@ def parse(argv=None):
     p.add_argument("--layouts", nargs="+", choices=["contiguous", "zigzag", "zigzag_per_doc"],
                    default=["contiguous", "zigzag", "zigzag_per_doc"], help="layouts of the kcp and fla-cp rows")
     p.add_argument("--methods", nargs="+",
-                   default=["noCP", "noCP-qla", "cp2hp", "kcp-relay", "kcp-gather", "kcp-qla", "fla-cp"],
+                   default=["noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "kcp-relay", "kcp-gather", "kcp-qla",
+                            "fla-cp"],
                    help="also: kcp (the cost model's pick of relay or gather)")
     p.add_argument("--fla-cp-max-docs", type=int, default=1000,
                    help="fla-cp on zigzag_per_doc makes one fla CP call per document (1.2 s a step at 100 "

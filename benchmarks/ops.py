@@ -129,13 +129,17 @@ def ops_case(b: Bench, model, T, docs, H, table):
     grads_ref = torch.autograd.grad(o_ref, leaves, do) if "fwd+bwd" in args.passes else ()
     o_ref, leaves = o_ref.detach(), None
     run("noCP", "-", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1)
-    if model == "GDN" and b.cuda and "noCP-qla" in args.methods:
+    qla = None
+    if model == "GDN" and b.cuda and {"noCP-qla", "cp2hp-qla"} & set(args.methods):
         try:
-            from flash_qla import chunk_gated_delta_rule as qla
+            from flash_qla import chunk_gated_delta_rule
         except ImportError as e:
             table.add(dict(meta0, method="noCP-qla", layout="-", W=1, **{"pass": "fwd+bwd"}, note=f"n/a: {e}"))
         else:
-            run("noCP-qla", "-", lambda *x: qla(*x, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev)[0], None, 1)
+            def qla_call(q, k, v, g, beta, cu=cu_dev, cu_cpu=None):   # its own call: intra-GPU split (auto_cp)
+                return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+            qla = qla_call
+            run("noCP-qla", "-", lambda *x: qla(*x)[0], None, 1)
     index = {lay: local_token_index(plans[lay][rank]).to(dev) for lay in layouts}
     if H % W:
         for p in args.passes:
@@ -143,6 +147,8 @@ def ops_case(b: Bench, model, T, docs, H, table):
                            note=f"n/a: H={H} heads cannot be split over W={W} ranks"))
     else:
         run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
+        if qla is not None:     # megatron-core's GDN where flash-qla is installed: fla hands it the kernel
+            run("cp2hp-qla", "zigzag", CP2HP(qla, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
     for layout in layouts:
         if layout not in args.layouts:
             continue
