@@ -41,6 +41,16 @@ def chunk_kernel(model: str, device: torch.device):
     return run
 
 
+def flash_qla_call(cu_dev):
+    """flash-qla's own GDN call, with its intra-GPU split (auto_cp), as a noCP or cp2hp kernel;
+    ImportError where flash-qla is not installed."""
+    from flash_qla import chunk_gated_delta_rule
+
+    def run(q, k, v, g, beta, cu=cu_dev, cu_cpu=None):
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    return run
+
+
 def op_steps(fn, leaves, do):
     def make(pas):
         if pas == "fwd":
@@ -129,16 +139,15 @@ def ops_case(b: Bench, model, T, docs, H, table):
     grads_ref = torch.autograd.grad(o_ref, leaves, do) if "fwd+bwd" in args.passes else ()
     o_ref, leaves = o_ref.detach(), None
     run("noCP", "-", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1)
-    qla = None
-    if model == "GDN" and b.cuda and {"noCP-qla", "cp2hp-qla"} & set(args.methods):
+    qla, qla_methods = None, {"noCP-qla": ("-", 1), "cp2hp-qla": ("zigzag", W)}
+    if model == "GDN" and b.cuda and qla_methods.keys() & set(args.methods):
         try:
-            from flash_qla import chunk_gated_delta_rule
+            qla = flash_qla_call(cu_dev)
         except ImportError as e:
-            table.add(dict(meta0, method="noCP-qla", layout="-", W=1, **{"pass": "fwd+bwd"}, note=f"n/a: {e}"))
+            for m in qla_methods.keys() & set(args.methods):
+                table.add(dict(meta0, method=m, layout=qla_methods[m][0], W=qla_methods[m][1],
+                               **{"pass": "fwd+bwd"}, note=f"n/a: {e}"))
         else:
-            def qla_call(q, k, v, g, beta, cu=cu_dev, cu_cpu=None):   # its own call: intra-GPU split (auto_cp)
-                return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-            qla = qla_call
             run("noCP-qla", "-", lambda *x: qla(*x)[0], None, 1)
     index = {lay: local_token_index(plans[lay][rank]).to(dev) for lay in layouts}
     if H % W:
