@@ -30,7 +30,9 @@ def announce(mixer, plan, q, v, g, packed_seq_params=None, tp_size: int = 1, exc
     if exchange == "cp2hp" and plan.world_size > 1:
         kernels = kcp._backend("auto", q)
     else:
-        kernels, exchange = kcp.kernels("auto", q, v, g, plan, exchange)
+        kernels, exchange, cut = kcp.kernels("auto", q, v, g, plan, exchange)
+        if cut:
+            kernels += f" (segments cut to {cut} tokens)"
     thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
     extra = "".join(f", {name}={val}" for name, val in options.items())
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "

@@ -218,6 +218,9 @@ class Backward:
 
 
 class _Core:
+    # the passes fill buffers that ``output`` and ``backward_rest`` read (qla's fused kernels run their own)
+    fused = False
+
     def restore(self, saved, plan, scale, l2, live=None) -> Prepared:
         return Prepared(tuple(saved), plan, scale, l2, live=live)
 

@@ -59,6 +59,8 @@ class Backward:
 
 
 class ReferenceCore:
+    fused = False                # its passes compute what ``output`` and ``backward_rest`` return
+
     def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
         return Prepared(q, k, v, g, beta, plan, scale, l2, live)
 

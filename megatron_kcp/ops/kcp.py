@@ -4,12 +4,12 @@ One CP step for every layout and any number of documents: a *core* computes on r
 local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"qla"``: flash-qla's
 fused GDN kernels, ``core_qla``; ``"reference"``: the pure-PyTorch oracle, ``core_reference``;
 ``"auto"``: qla where it runs (GDN, bf16/fp16, K = V = 128, Hopper or Blackwell, flash-qla
-installed) and is worth it (``qla_worth``) unless the step needs transition maps, fla elsewhere on
-CUDA, the reference on CPU) and an
+installed) and is worth it (``qla_worth``; or, with few heads and a few long segments a rank, on
+a ``split`` plan, ``qla_split``), fla elsewhere on CUDA, the reference on CPU) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
-cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, which has no maps, the relay
-wherever a map would be needed). ``"cp2hp"`` is not KCP but its peer,
+cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, whose maps are fla's, the relay
+wherever a map would be needed, except on a split plan). ``"cp2hp"`` is not KCP but its peer,
 megatron-core GatedDeltaNet's all-to-all to head shards (``megatron_kcp.parallel.cp2hp``), for
 comparisons under the same mixer.
 """
@@ -21,7 +21,7 @@ import torch
 
 from megatron_kcp.ops import conv_reference
 from megatron_kcp.parallel.gather import AllGather
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, build_plan, cp_group_from_megatron, index_tensor
+from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, build_plan, cp_group_from_megatron, index_tensor, split
 from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.strategy import STRATEGIES, choose, needs_maps
 
@@ -38,29 +38,41 @@ def _backend(backend: str, x: torch.Tensor) -> str:
 
 
 def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, plan: KCPPlan,
-            strategy: str = "auto") -> tuple[str, str]:
-    """(the core that runs: fla, qla or reference; the exchange: relay or gather) for this call."""
+            strategy: str = "auto", max_segment: int | None = None) -> tuple[str, str, int]:
+    """(the core that runs: fla, qla or reference; the exchange: relay or gather; the length its plan's
+    segments are cut to, 0: not cut) for this call. ``max_segment=None``: qla's cut where it pays."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {EXCHANGES}")
+    if max_segment is not None and max_segment < 0:
+        raise ValueError(f"max_segment must be >= 0 (0: segments not cut; None: the kernels' pick), got {max_segment}")
+    if max_segment is None:
+        qla = backend == "qla" or backend == "auto" and q.is_cuda and qla_runs(q, v, g)
+        max_segment = qla_split(plan, v.shape[2]) if qla and strategy != "relay" else 0
+    if max_segment:
+        if strategy == "relay":
+            raise ValueError("a plan cut by max_segment chains its parts through the all-gather's fold: use "
+                             "strategy='gather' (or 'auto'), or max_segment=0 for the relay")
+        if backend == "auto":
+            backend = "reference" if not q.is_cuda else "qla" if qla_runs(q, v, g) else "fla"
+        return backend, "gather", max_segment
     name = choose(plan, v.shape[2]) if strategy == "auto" else strategy
     maps = name == "gather" and plan.world_size > 1 and needs_maps(plan.global_cu_seqlens, plan.layout,
                                                                    plan.world_size)
     if backend == "auto":
         if not q.is_cuda:
-            return "reference", name
+            return "reference", name, 0
         backend = "qla" if not maps and qla_worth(plan, v.shape[2]) and qla_runs(q, v, g) else "fla"
-    if backend == "qla" and maps:
-        if strategy == "gather":
-            raise ValueError("backend 'qla' has no transition maps, which the all-gather needs on this layout: "
-                             "use strategy='relay' (or 'auto'), or backend='fla'")
-        name = "relay"
-    return backend, name
+    if backend == "qla" and maps and strategy == "auto":
+        name = "relay"           # qla's maps are fla's: measured slower than the relay at W = 2
+    return backend, name, 0
 
 
 QLA_MIN_CHAINS = 32          # heads x (local tokens / longest local segment): below, qla's scans are latency-bound
 QLA_MAX_INTERLEAVED = 64     # segments a rank holds on per-document zigzag: above, qla's covering passes lose
+QLA_SPLIT_CHAINS = 128       # scans a rank runs side by side once its segments are cut (an H200 has 132 SMs)
+QLA_SPLIT_MIN_WORK = 1 << 19  # local tokens x heads: below, a cut step is bound by its host launches
 
 
 def qla_worth(plan: KCPPlan, value_heads: int) -> bool:
@@ -81,6 +93,30 @@ def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
     if value_heads * chains < QLA_MIN_CHAINS:
         return False
     return layout != "zigzag_per_doc" or max(p.num_segments for p in plans) <= QLA_MAX_INTERLEAVED
+
+
+def qla_split(plan: KCPPlan, value_heads: int) -> int:
+    """Where flash-qla's scans would be latency-bound (``qla_worth``'s first test fails: few heads, a
+    few long segments a rank), the length (a multiple of the 64-token chunk) that cuts the busiest
+    rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0 where no cut is needed or none pays. The parts'
+    maps (fla's) then run at once under the all-gather and fold locally (``plan.split``). Measured on
+    one H200, GDN, H = 16, one sequence: 32k tokens a rank, 4.4-5.1 ms against fla's 5.7-6.2 (CP = 1)
+    and 7.0 ms at CP = 2 on 64k (fla's noCP 10.8); 16k a rank (CP = 2 on 32k), 6.9 against fla's 6.3,
+    the step bound by its host (2.7 ms of kernels a rank): ``QLA_SPLIT_MIN_WORK``."""
+    return _qla_split(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_split(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> int:
+    plans = [build_plan(cu_seqlens, layout, world_size, r) for r in range(world_size)]
+    longest = max(max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    chains = min(p.num_local_tokens for p in plans) / longest
+    tokens = max(p.num_local_tokens for p in plans)
+    if value_heads * chains >= QLA_MIN_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
+            layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
+        return 0
+    cut = -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64
+    return cut if cut < longest else 0
 
 
 def qla_runs(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
@@ -174,12 +210,14 @@ def _core(backend: str, q, v, g):
 
 def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = False,
-                     backend: str = "auto", strategy: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", strategy: str = "auto", max_segment: int | None = None) -> torch.Tensor:
     """o ``[1, T, HV, V]`` of this rank's shard; equals the single-device run, forward and backward.
 
     ``initial_state`` ``[N, HV, K, V]`` holds one state per global sequence (the same on every
     rank); its gradient on each rank is that rank's share (sum over the CP group for the total).
-    ``group`` defaults to Megatron's context-parallel group.
+    ``group`` defaults to Megatron's context-parallel group. ``max_segment`` > 0 cuts the local
+    segments into parts of at most that many tokens, chained by the all-gather (``plan.split``);
+    0 never; None: where qla's scans would be latency-bound (``qla_split``).
     """
     check_inputs(q, k, v, g, beta, plan, initial_state)
     if strategy not in EXCHANGES:
@@ -189,11 +227,16 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if strategy == "cp2hp" and plan.world_size > 1:
         check_cp2hp(q.shape[2], v.shape[2], plan.world_size, initial_state)
+        if max_segment:
+            raise ValueError("max_segment cuts KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "
+                             "strategy")
         if backend == "qla":
             raise ValueError("strategy 'cp2hp' runs fla's kernels, as megatron-core's peer does: use backend 'fla' "
                              "or 'auto'")
         return _cp2hp(plan, group, g.dim() == 4, _backend(backend, q), scale, use_qk_l2norm, q.device)(q, k, v, g, beta)
-    backend, name = kernels(backend, q, v, g, plan, "auto" if strategy == "cp2hp" else strategy)
+    backend, name, cut = kernels(backend, q, v, g, plan, "auto" if strategy == "cp2hp" else strategy, max_segment)
+    if cut:
+        plan = split(plan, cut)
     return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
                              _core(backend, q, v, g), Relay() if name == "relay" else AllGather())
 
@@ -247,6 +290,9 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
     if plan.conv_kernel_size != weight.shape[-1]:
         raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}: "
                          f"build the plan with conv_kernel_size={weight.shape[-1]}")
+    if plan.max_segment:
+        raise ValueError("causal_conv1d takes the layout's plan, not one cut by max_segment (its halo follows the "
+                         "pieces): pass the plan the mixer built")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported conv activation {activation!r}: use 'silu' or None")
     if group is None and plan.world_size > 1:

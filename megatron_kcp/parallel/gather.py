@@ -7,7 +7,8 @@ fla's CP pre-process). After the all-gather every receiving segment folds the sl
 before it, ``S = M_j S + H_j`` from the sequence start, and the local pass runs once. Backward is
 the mirror image with ``[dH | M^T]``: dH from a state-gradient pass with a zero final-state
 gradient, M^T from the forward's M. All ranks work at once, so the price is the M pass, not
-latency: the strategy for many ranks.
+latency: the strategy for many ranks. On a ``split`` plan it also chains the parts of a rank's
+own long segments, so their passes run side by side.
 """
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ class AllGather:
                 maps = core.maps(P, middle)
                 buf.index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), maps)
                 M = maps[..., V:].contiguous()
-            fold(all_gather(buf, group), plan.recv_fwd, h0)
+            fold(_all_gather(buf, plan, group), plan.recv_fwd, h0)
         rest = _others(n, done)
-        if rest:
+        if rest and not core.fused:           # a fused core's output runs its own state pass
             core.state(P, st, rest, h0)
         return core.output(P, st, 0, n), M
 
@@ -90,12 +91,19 @@ class AllGather:
             slot = {s: j for j, s in enumerate(send)}
             if middle:
                 buf[..., V:].index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), M.transpose(-1, -2))
-            fold(all_gather(buf, group), plan.recv_bwd, dht)
+            fold(_all_gather(buf, plan, group), plan.recv_bwd, dht)
         rest = _others(n, done)
+        if core.fused:                        # its backward runs its own pass: only dh0 that leaves the op
+            rest = [s for s in rest if plan.pred[s] is None]
         if rest:
             d = core.backward_state(P, B, rest, dht)
             keep_starts(plan, dh0, d, rest)
         return core.backward_rest(P, B), dh0
+
+
+def _all_gather(buf, plan: KCPPlan, group):
+    """The exchange buffer of every rank; a rank alone (a ``split`` plan at CP = 1) folds its own."""
+    return buf[None] if plan.world_size == 1 else all_gather(buf, group)
 
 
 def _others(n, done):

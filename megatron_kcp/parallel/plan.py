@@ -74,6 +74,7 @@ class KCPPlan:
     num_slots_bwd: int
     conv_kernel_size: int
     halo_src: tuple[tuple[int, int, int], ...]      # per halo row: (rank, piece, tail row) or (-1, 0, 0) = zero
+    max_segment: int = 0                            # segments cut to at most this many tokens (0: not cut)
 
     @property
     def num_pieces(self) -> int:
@@ -215,9 +216,10 @@ def layout_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int) 
     return pieces
 
 
-def _segments(pieces, cu):
+def _segments(pieces, cu, max_segment=0):
     """Local segments: (global start, global end, global sequence), cut at sequence starts and at
-    piece edges, except between local pieces that are neighbours in the global stream."""
+    piece edges, except between local pieces that are neighbours in the global stream; then, with
+    ``max_segment``, each into parts of that many tokens from its start (the last one shorter)."""
     segs = []
     for s, e in pieces:
         n = bisect.bisect_right(cu, s) - 1
@@ -228,21 +230,25 @@ def _segments(pieces, cu):
             else:
                 segs.append((s, end, n))
             s, n = end, n + 1
+    if max_segment:
+        segs = [(a, min(a + max_segment, e), n) for s, e, n in segs for a in range(s, e, max_segment)]
     return segs
 
 
 @functools.lru_cache(maxsize=32)
 def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: int,
-               conv_kernel_size: int = 1) -> KCPPlan:
-    """The KCP plan of ``rank``; cached on its (hashable) arguments."""
+               conv_kernel_size: int = 1, max_segment: int = 0) -> KCPPlan:
+    """The KCP plan of ``rank``; cached on its (hashable) arguments (``max_segment``: see ``split``)."""
     cu = check_cu_seqlens(cu_seqlens)
+    if max_segment < 0:
+        raise ValueError(f"max_segment must be >= 0 (0: segments not cut), got {max_segment}")
     if not 0 <= rank < world_size:
         raise ValueError(f"CP rank {rank} is outside the CP group of size {world_size}")
     if conv_kernel_size < 1:
         raise ValueError(f"conv kernel size must be >= 1, got {conv_kernel_size}")
     W = world_size
     all_pieces = [layout_pieces(layout, cu, W, r) for r in range(W)]
-    all_segs = [_segments(p, cu) for p in all_pieces]
+    all_segs = [_segments(p, cu, max_segment) for p in all_pieces]
 
     # every sequence's segments in global order, as (rank, local segment)
     by_seq: dict[int, list[tuple[int, int, int]]] = {}
@@ -300,8 +306,18 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
         send_fwd=tuple(slot_fwd[rank]), send_bwd=tuple(slot_bwd[rank]),
         recv_fwd=tuple(recv_fwd), recv_bwd=tuple(recv_bwd),
         num_slots_fwd=max(len(x) for x in slot_fwd), num_slots_bwd=max(len(x) for x in slot_bwd),
-        conv_kernel_size=conv_kernel_size, halo_src=tuple(halo),
+        conv_kernel_size=conv_kernel_size, halo_src=tuple(halo), max_segment=max_segment,
     )
+
+
+def split(plan: KCPPlan, max_segment: int) -> KCPPlan:
+    """The same layout with every segment cut into parts of at most ``max_segment`` tokens, linked
+    along their sequence as pieces on other ranks are. Under the all-gather every part's map runs at
+    once and the fold chains them locally: parallel work where a rank holds a few long segments and
+    a kernel runs one program per segment and head (few heads). For the gated delta rule only: the
+    conv's halo follows the pieces, and ``causal_conv1d`` refuses a cut plan."""
+    return build_plan(plan.global_cu_seqlens, plan.layout, plan.world_size, plan.rank, plan.conv_kernel_size,
+                      max_segment)
 
 
 def local_token_index(plan: KCPPlan) -> torch.Tensor:

@@ -32,16 +32,35 @@ def _qkvg(dtype=torch.bfloat16, K=128, kda=False):
 def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
     zig, con = build_plan(CU, "zigzag", 2, 1, 4), build_plan(CU, "contiguous", 2, 1, 4)
     q, v, g = _qkvg()
-    assert kcp.kernels("auto", q, v, g, zig) == ("reference", "relay")
-    # zigzag's middle pieces continue their sequence both ways: the all-gather would need maps
-    assert kcp.kernels("qla", q, v, g, zig) == ("qla", "relay")
-    assert kcp.kernels("qla", q, v, g, zig, "relay") == ("qla", "relay")
-    assert kcp.kernels("qla", q, v, g, con) == ("qla", "gather")       # no maps: the cost model's pick
-    assert kcp.kernels("fla", q, v, g, zig, "gather") == ("fla", "gather")
-    with pytest.raises(ValueError, match="strategy='relay'"):
-        kcp.kernels("qla", q, v, g, zig, "gather")
+    assert kcp.kernels("auto", q, v, g, zig) == ("reference", "relay", 0)
+    # zigzag's middle pieces continue their sequence both ways: the all-gather would need (fla's) maps
+    assert kcp.kernels("qla", q, v, g, zig, max_segment=0) == ("qla", "relay", 0)
+    assert kcp.kernels("qla", q, v, g, zig, "relay") == ("qla", "relay", 0)
+    assert kcp.kernels("qla", q, v, g, zig, "gather", 0) == ("qla", "gather", 0)
+    assert kcp.kernels("qla", q, v, g, con, max_segment=0) == ("qla", "gather", 0)    # no maps needed
+    assert kcp.kernels("fla", q, v, g, zig, "gather") == ("fla", "gather", 0)
+    # cut where asked (the pick cuts only where the work is large: below)
+    assert kcp.kernels("qla", q, v, g, zig, max_segment=64) == ("qla", "gather", 64)
+    assert kcp.kernels("qla", q, v, g, zig) == ("qla", "relay", 0)
+    assert kcp.kernels("auto", q, v, g, zig, max_segment=128) == ("reference", "gather", 128)
+    with pytest.raises(ValueError, match="strategy='gather'"):
+        kcp.kernels("qla", q, v, g, zig, "relay", 128)
     with pytest.raises(ValueError, match="unknown KCP backend"):
         kcp.kernels("flashqla", q, v, g, zig)
+
+
+@pytest.mark.parametrize("docs,layout,tokens,W,heads,cut", [
+    ("single", "contiguous", 32768, 1, 16, 4096), ("single", "contiguous", 65536, 2, 16, 4096),
+    ("single", "zigzag", 65536, 2, 16, 4096), ("single", "zigzag_per_doc", 65536, 2, 16, 4096),
+    ("single", "contiguous", 32768, 2, 16, 0), ("single", "contiguous", 32768, 1, 64, 0),
+    ("varlen", "contiguous", 65536, 2, 16, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
+def test_qla_cuts_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
+    """The one-H200 crossovers (``kcp.qla_split``): one 32k-token segment a rank at 16 heads is cut into parts
+    that give a rank 128 scans; 16k a rank is bound by the host's launches, and documents, or 64 heads, give
+    qla enough scans without a cut."""
+    from benchmarks.common import cu_seqlens
+    plan = build_plan(cu_seqlens(docs, tokens, pad=4), layout, W, 0, 4)
+    assert kcp.qla_split(plan, heads) == cut
 
 
 @pytest.mark.parametrize("docs,layout,heads,worth", [
@@ -77,11 +96,11 @@ def _qla_cases(layouts):
             gen = torch.Generator().manual_seed(seed)
             cu = random_cu_seqlens(gen, layout, W, kind)
             xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4, 8, 6, False)   # grouped heads: HV = 2H
-            for strategy in ("auto", "relay"):
+            for strategy, cut in (("auto", None), ("relay", None), ("gather", 0), ("auto", 16)):
                 for init in (None, xs[5]):
-                    errs = _compare(cu, xs[:5], init, layout, strategy, seed % 2 == 0, group, seed, backend="qla")
+                    errs = _compare(cu, xs[:5], init, layout, strategy, seed % 2 == 0, group, seed, "qla", cut)
                     bad = {k: v for k, v in errs.items() if not v <= TOL}
-                    assert not bad, f"qla {layout} {kind} {strategy} init={init is not None} cu={cu}: {bad}"
+                    assert not bad, f"qla {layout} {kind} {strategy} cut={cut} init={init is not None} cu={cu}: {bad}"
         gen = torch.Generator().manual_seed(7 + W)
         cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
         xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)

@@ -24,7 +24,7 @@ def _group():
     return ps.get_context_parallel_group()
 
 
-def _compare(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference"):
+def _compare(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference", max_segment=None):
     """Errors of this rank's KCP run against the single-process oracle (all-reduced max over ranks)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
@@ -37,7 +37,7 @@ def _compare(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference")
     loc = [x.clone().requires_grad_() for x in shard(plan, *xs)]
     init = [h0.clone().requires_grad_()] if h0 is not None else []
     o = kcp.gated_delta_rule(*loc, plan, group, initial_state=init[0] if init else None, use_qk_l2norm=l2,
-                             backend=backend, strategy=strategy)
+                             backend=backend, strategy=strategy, max_segment=max_segment)
     grads = torch.autograd.grad(o, loc + init, shard(plan, do)[0])
     errs = {"o": rel_err(o, shard(plan, o_ref)[0])}
     for name, gl, gr in zip(NAMES[1:], grads, ref_grads):
@@ -166,6 +166,53 @@ def test_long_memory_and_exchange_is_load_bearing(layout, world_size, kda):
     oracle to 1e-5 in the output and every input gradient, and with the exchange off they miss by
     at least 10x that (output, every input gradient, conv output and input gradient)."""
     spawn(_long_memory, world_size, layout, kda)
+
+
+def _split_cases(layouts, backend="reference"):
+    """Segments cut into parts (``max_segment``) that the all-gather chains: random packings with the
+    user's initial states, GDN and KDA, and the long-memory batch, where the same run with the
+    exchange (the local fold too) switched off must miss."""
+    group = _group()
+    W = dist.get_world_size(group)
+    for layout in layouts:
+        for seed, kind in enumerate(("random", "single", "edges")):
+            for kda in (False, True) if backend == "reference" else (False,):
+                gen = torch.Generator().manual_seed(seed)
+                cu = random_cu_seqlens(gen, layout, W, kind)
+                xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4, 8, 6, kda)
+                for cut in (5, 16):
+                    errs = _compare(cu, xs[:5], xs[5], layout, "auto", seed % 2 == 0, group, seed, backend, cut)
+                    bad = {k: v for k, v in errs.items() if not v <= TOL}
+                    assert not bad, f"{backend} {layout} {kind} cut={cut} kda={kda} cu={cu}: {bad}"
+        gen = torch.Generator().manual_seed(7 + W)
+        cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
+        xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)
+        errs = _compare(cu, xs, None, layout, "gather", True, group, W, backend, 24)
+        assert max(errs.values()) <= TOL, f"{backend} {layout} W={W} cut: {errs}"
+        gathers = kcp.AllGather
+        kcp.AllGather = NoExchange
+        try:
+            off = _compare(cu, xs, None, layout, "gather", True, group, W, backend, 24)
+        finally:
+            kcp.AllGather = gathers
+        weak = {k: v for k, v in off.items() if not v >= 10 * TOL}
+        assert not weak, f"{backend} {layout} W={W} cut: without the exchange these still match: {weak}"
+    # what cannot run on a cut plan fails before any kernel, naming the fix
+    plan = plan_for(cu, layouts[0], W, dist.get_rank(group))
+    loc = shard(plan, *xs)
+    with pytest.raises(ValueError, match="strategy='gather'"):
+        kcp.gated_delta_rule(*loc, plan, group, backend=backend, strategy="relay", max_segment=24)
+    with pytest.raises(ValueError, match="max_segment must be >= 0"):
+        kcp.gated_delta_rule(*loc, plan, group, backend=backend, max_segment=-1)
+    from megatron_kcp.parallel.plan import split
+    x = torch.zeros(1, plan.num_local_tokens, 3)
+    with pytest.raises(ValueError, match="not one cut by max_segment"):
+        kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split(plan, 24), group=group, backend="reference")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_cut_segments_match_single_process(world_size):
+    spawn(_split_cases, world_size, LAYOUTS)
 
 
 def _cp2hp_cases(layouts):

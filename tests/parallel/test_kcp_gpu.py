@@ -86,19 +86,21 @@ def _run(plan, group, xs, do, strategy, conv, backend="fla"):
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta", "conv_y", "dconv_x", "dconv_w"]
 
 
-def _one_gpu_against_reference(backend, gen, cu, xs, HV) -> dict[str, float]:
+def _one_gpu_against_reference(backend, gen, cu, xs, HV, max_segment=None) -> dict[str, float]:
     """Relative errors of ``backend``'s core against the fp64 reference core on one GPU: output and
-    every input gradient, without and with the user's initial states (and their gradient)."""
+    every input gradient, without and with the user's initial states (and their gradient);
+    ``max_segment``: the core's run on the plan cut into parts (the reference's is not cut)."""
     do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", xs[0].dtype)
     init = torch.randn(len(cu) - 1, HV, K, V, generator=gen).cuda() * 0.1
     plan = build_plan(cu, "contiguous", 1, 0, KS)
     out = {}
     for b in (backend, "reference"):
+        cut = dict(max_segment=max_segment if b == backend else 0)
         ys = [x.detach().clone().requires_grad_() for x in xs]
-        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=b)
+        o = kcp.gated_delta_rule(*ys, plan, None, use_qk_l2norm=True, backend=b, **cut)
         out[b] = [o, *torch.autograd.grad(o, ys, do)]
         ys = [x.detach().clone().requires_grad_() for x in (*xs, init)]
-        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=b)
+        o = kcp.gated_delta_rule(*ys[:5], plan, None, initial_state=ys[5], use_qk_l2norm=True, backend=b, **cut)
         out[b] += [o, *torch.autograd.grad(o, ys, do)]
     names = NAMES[:6] + [n + "|h0" for n in NAMES[:6]] + ["dh0|h0"]
     return {n: rel_err(a, b) for n, a, b in zip(names, out[backend], out["reference"])}
@@ -135,6 +137,27 @@ def test_qla_matches_reference(heads):
         pytest.skip(str(e))
     errs = _one_gpu_against_reference("qla", gen, cu, xs, heads[1])
     print(f"qla vs reference GDN H,HV={heads}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
+    assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend,cut", [("qla", 192), ("qla", 100), ("fla", 192)])
+def test_cut_segments_match_reference(backend, cut):
+    """A plan cut into parts (``max_segment``: chunk-aligned, and not) on one GPU, GDN bf16: the parts'
+    maps (fla's CP pre-process, for the qla core on fla's WY form) folded by the all-gather, then the
+    core's passes from the folded states, against the fp64 reference core on the uncut plan."""
+    from megatron_kcp.ops import core_qla
+    gen = torch.Generator().manual_seed(4)
+    cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
+    xs = random_inputs(gen, cu[-1], len(cu) - 1, 4, 4, K, V, False, dtype=torch.bfloat16, device="cuda")[:5]
+    if backend == "qla":
+        try:
+            core_qla.check_qla(xs[0].device, xs[0].dtype, False, (K, V))
+        except RuntimeError as e:
+            pytest.skip(str(e))
+    errs = _one_gpu_against_reference(backend, gen, cu, xs, 4, max_segment=cut)
+    print(f"{backend} cut {cut} vs reference GDN cu={cu}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
+          flush=True)
     assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
 
 
