@@ -19,30 +19,53 @@ from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 
 
 def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
-    """``out[c.segment] = fold over c.sources`` for every chain, batched over chains step by step
-    (at most 2W - 1 steps whatever the number of documents). ``gathered`` ``[W, slots, HV, K, V+K]``,
-    fp32 products in full fp32 (no TF32: the chains carry state across the whole sequence)."""
+    """``out[c.segment] = fold over c.sources`` for every chain. ``gathered`` ``[W, slots, HV, K, V+K]``.
+
+    The chains of one sequence are prefixes of its longest (the pieces before a segment, or after it
+    in the backward), so each sequence is folded once, along its longest chain, and every chain takes
+    the state after its last source. All sequences step together, longest first, so the live ones
+    are a prefix: one batched product a step, at most 2W - 1 steps whatever the number of documents
+    (more on a ``split`` plan), and no gather at all where one sequence is live. Products in full
+    fp32 (no TF32: the chains carry state across the whole sequence)."""
     if not chains:
         return
     V = gathered.shape[-1] - gathered.shape[-2]
     flat = gathered.flatten(0, 1)
     slots = gathered.shape[1]
-    rows = [[r * slots + s for r, s in c.sources] for c in chains]
+    longest = {}
+    for c in chains:
+        if len(c.sources) > len(longest.get(c.seq, ())):
+            longest[c.seq] = c.sources
+    seqs = sorted(longest, key=lambda n: -len(longest[n]))
+    rows = [[r * slots + s for r, s in longest[n]] for n in seqs]
+    pos = {n: i for i, n in enumerate(seqs)}
+    ends = {}                                   # step -> chains whose last source it folds
+    for c in chains:
+        ends.setdefault(len(c.sources) - 1, []).append(c)
 
     def ix(values):
         return index_tensor(values, flat.device)
-    S = flat[..., :V].index_select(0, ix([r[0] for r in rows]))
+
+    def take(j):                                # rows j of the live sequences' longest chains
+        live = [r[j] for r in rows if len(r) > j]
+        return flat[live[0]][None] if len(live) == 1 else flat.index_select(0, ix(live))
+    S, parts, segs = take(0)[..., :V], [], []
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        for j in range(1, max(map(len, rows))):
-            live = [c for c, r in enumerate(rows) if len(r) > j]
-            src = flat.index_select(0, ix([rows[c][j] for c in live]))
-            idx = ix(live)
-            S.index_copy_(0, idx, torch.matmul(src[..., V:], S.index_select(0, idx)) + src[..., :V])
+        for j in range(len(rows[0])):
+            if j:
+                src = take(j)
+                n = src.shape[0]
+                S = torch.baddbmm(src[..., :V].flatten(0, 1), src[..., V:].flatten(0, 1),
+                                  S[:n].flatten(0, 1)).view(n, *S.shape[1:])
+            if j in ends:
+                at = [pos[c.seq] for c in ends[j]]
+                parts.append(S if at == list(range(S.shape[0])) else S.index_select(0, ix(at)))
+                segs += [c.segment for c in ends[j]]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    out.index_copy_(0, ix([c.segment for c in chains]), S)
+    out.index_copy_(0, ix(segs), parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 class AllGather:
