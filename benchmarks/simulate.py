@@ -95,7 +95,7 @@ class Recorder:
         return x.unsqueeze(0).expand(self.W, *x.shape).contiguous()
 
 
-def rank_timeline(plan, xs, do, strategy: str, backend: str, args) -> list[tuple]:
+def rank_timeline(plan, xs, do, strategy: str, backend: str, args, max_segment=None) -> list[tuple]:
     """One rank's KCP fwd+bwd as a timeline: ('compute', seconds) between its exchange points."""
     from megatron_kcp.ops import kcp
     idx = local_token_index(plan).to(do.device)
@@ -107,7 +107,8 @@ def rank_timeline(plan, xs, do, strategy: str, backend: str, args) -> list[tuple
         rec = Recorder(plan.world_size, do.is_cuda)
         with mock.patch.object(relay, "P2P", rec.p2p), mock.patch.object(gather, "all_gather", rec.all_gather):
             rec.mark("start")
-            o = kcp.gated_delta_rule(*leaves, plan, NO_GROUP, use_qk_l2norm=True, backend=backend, strategy=strategy)
+            o = kcp.gated_delta_rule(*leaves, plan, NO_GROUP, use_qk_l2norm=True, backend=backend, strategy=strategy,
+                                     max_segment=max_segment)
             rec.mark("phase")
             torch.autograd.grad(o, leaves, dl)
             rec.mark("end")
@@ -174,7 +175,8 @@ def simulate(timelines, alpha: float, bw: float):
 def case(cu, W, layout, strategy, backend, xs, do, nocp, args) -> dict:
     """One row's numbers: every rank's timeline, simulated together; ``nocp`` = (fwd, fwd+bwd) seconds at W=1."""
     alpha, bw = args.alpha_us * 1e-6, args.bw_gbs * 1e9
-    tls = [rank_timeline(build_plan(cu, layout, W, r, CONV), xs, do, strategy, backend, args) for r in range(W)]
+    tls = [rank_timeline(build_plan(cu, layout, W, r, CONV), xs, do, strategy, backend, args, args.max_segment)
+           for r in range(W)]
     ends, fwd = simulate(tls, alpha, bw)
     slow = max(range(W), key=ends.__getitem__)
     busy = sum(x[1] for x in tls[slow] if x[0] == "compute")
@@ -214,8 +216,11 @@ def main(argv=None):
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     p.add_argument("--strategies", nargs="+", choices=["relay", "gather"], default=["relay", "gather"])
     p.add_argument("--backends", nargs="+", choices=["fla", "qla"], default=["fla"],
-                   help="local cores (qla: flash-qla's fused GDN kernels; it has no maps, so its 'gather' rows "
-                        "exist only where none is needed); on CPU the reference stands in for fla")
+                   help="local cores (qla: flash-qla's fused GDN kernels, with fla's maps where its 'gather' "
+                        "needs them); on CPU the reference stands in for fla")
+    p.add_argument("--max-segment", type=int, default=None,
+                   help="cut every segment into parts of at most this many tokens (gather only; 0: never; "
+                        "default: the kernels' pick, kcp.qla_split); noCP is never cut")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -261,7 +266,7 @@ def run(args, dev) -> list[dict]:
             try:
                 cu = cu_seqlens(docs, T, pad=2 * W)
                 if (cu, backend) not in nocp:
-                    tl = rank_timeline(build_plan(cu, "contiguous", 1, 0, CONV), xs, do, "relay", backend, args)
+                    tl = rank_timeline(build_plan(cu, "contiguous", 1, 0, CONV), xs, do, "relay", backend, args, 0)
                     (end,), (fwd,) = simulate([tl], 0.0, 1.0)
                     nocp[cu, backend] = fwd, end
                 row.update(case(cu, W, layout, strategy, backend, xs, do, nocp[cu, backend], args))
