@@ -100,7 +100,7 @@ def qla_split(plan: KCPPlan, value_heads: int) -> int:
     few long segments a rank), the length (a multiple of the 64-token chunk) that cuts the busiest
     rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0 where no cut is needed or none pays. The parts'
     maps (fla's) then run at once under the all-gather and fold locally (``plan.split``). Measured on
-    one H200, GDN, H = 16, one sequence: 32k tokens a rank, 4.4-5.1 ms against fla's 5.7-6.2 (CP = 1)
+    one H200, GDN, H = 16, one sequence: 32k tokens a rank, 4.4-5.2 ms against fla's 5.7-6.2 (CP = 1)
     and 7.0 ms at CP = 2 on 64k (fla's noCP 10.8); 16k a rank (CP = 2 on 32k), 6.9 against fla's 6.3,
     the step bound by its host (2.7 ms of kernels a rank): ``QLA_SPLIT_MIN_WORK``."""
     return _qla_split(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
