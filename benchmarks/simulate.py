@@ -216,8 +216,8 @@ def main(argv=None):
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     p.add_argument("--strategies", nargs="+", choices=["relay", "gather"], default=["relay", "gather"])
     p.add_argument("--backends", nargs="+", choices=["fla", "qla"], default=["fla"],
-                   help="local cores (qla: flash-qla's fused GDN kernels, with fla's maps where its 'gather' "
-                        "needs them); on CPU the reference stands in for fla")
+                   help="local cores (qla: flash-qla's fused GDN kernels, maps from its state passes); on CPU "
+                        "the reference stands in for fla")
     p.add_argument("--max-segment", type=int, default=None,
                    help="cut every segment into parts of at most this many tokens (gather only; 0: never; "
                         "default: the kernels' pick, kcp.qla_split); noCP is never cut")

@@ -57,13 +57,6 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=None, cu_seqlens=None):
     return tuple(_grads(q, k, v, g, b, scale, h, do, dht, cu_seqlens))
 
 
-def maps(k, v, g, beta, plan, lo, hi, segs):
-    """fla's maps (``core_qla.fla_maps``): [H | M] of ``segs``, the range's tokens given."""
-    cu = [c - plan.cu_seqlens[lo] for c in plan.cu_seqlens]
-    return torch.stack([R.affine_state_map(*(x[:, cu[s]:cu[s + 1]] for x in (_grouped(k, v), g, beta, v)))
-                        for s in segs]).float()
-
-
 def l2norm_fwd(x):
     rstd = torch.rsqrt(x.double().pow(2).sum(-1, keepdim=True) + 1e-6)
     return (x * rstd).to(x.dtype), rstd.squeeze(-1)
@@ -79,8 +72,7 @@ def kernels() -> SimpleNamespace:
         chunk_local_cumsum=lambda g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False: g.clone(),
         kkt_solve=lambda k, b, chunk_size=64, cu_seqlens=None: k.new_zeros(*b.shape, chunk_size),
         fused_gdr_h=fused_gdr_h, fused_gdr_fwd=fused_gdr_fwd, fused_gdr_dh=fused_gdr_dh, fused_gdr_bwd=fused_gdr_bwd,
-        prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd,
-        maps=maps)
+        prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd)
 
 
 def install() -> None:
