@@ -8,8 +8,8 @@ installed) and is worth it (``qla_worth``; or, with few heads and a few long seg
 a ``split`` plan, ``qla_split``), fla elsewhere on CUDA, the reference on CPU) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
-cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, whose maps are fla's, the relay
-wherever a map would be needed, except on a split plan). ``"cp2hp"`` is not KCP but its peer,
+cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, the relay wherever a map would
+be needed, except on a split plan). ``"cp2hp"`` is not KCP but its peer,
 megatron-core GatedDeltaNet's all-to-all to head shards (``megatron_kcp.parallel.cp2hp``), for
 comparisons under the same mixer.
 """
@@ -65,14 +65,15 @@ def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, pla
             return "reference", name, 0
         backend = "qla" if not maps and qla_worth(plan, v.shape[2]) and qla_runs(q, v, g) else "fla"
     if backend == "qla" and maps and strategy == "auto":
-        name = "relay"           # qla's maps are fla's: measured slower than the relay at W = 2
+        name = "relay"           # what ran and measured (W = 2, H = 64); qla's all-gather with maps did not
     return backend, name, 0
 
 
 QLA_MIN_CHAINS = 32          # heads x (local tokens / longest local segment): below, qla's scans are latency-bound
 QLA_MAX_INTERLEAVED = 64     # segments a rank holds on per-document zigzag: above, qla's covering passes lose
 QLA_SPLIT_CHAINS = 128       # scans a rank runs side by side once its segments are cut (an H200 has 132 SMs)
-QLA_SPLIT_MIN_WORK = 1 << 19  # local tokens x heads: below, a cut step is bound by its host launches
+QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a cut step is bound by its host launches
+QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add launches (fold steps) to a host-bound step
 
 
 def qla_worth(plan: KCPPlan, value_heads: int) -> bool:
@@ -97,12 +98,14 @@ def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
 
 def qla_split(plan: KCPPlan, value_heads: int) -> int:
     """Where flash-qla's scans would be latency-bound (``qla_worth``'s first test fails: few heads, a
-    few long segments a rank), the length (a multiple of the 64-token chunk) that cuts the busiest
-    rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0 where no cut is needed or none pays. The parts'
-    maps (fla's) then run at once under the all-gather and fold locally (``plan.split``). Measured on
-    one H200, GDN, H = 16, one sequence: 32k tokens a rank, 4.4-5.2 ms against fla's 5.7-6.2 (CP = 1)
-    and 7.0 ms at CP = 2 on 64k (fla's noCP 10.8); 16k a rank (CP = 2 on 32k), 6.9 against fla's 6.3,
-    the step bound by its host (2.7 ms of kernels a rank): ``QLA_SPLIT_MIN_WORK``."""
+    few long segments a rank), the length (a multiple of the 64-token chunk, at least
+    ``QLA_SPLIT_MIN_PART``) that cuts the busiest rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0
+    where no cut is needed or none pays. The parts' maps then run at once under the all-gather and
+    fold locally (``plan.split``). Measured on one H200 (simulate.py, one call), GDN, H = 16, one
+    sequence, cut to 4096: at CP = 1 4.3 ms against fla's 6.1 on 32k; at CP = 2 5.1-5.3 against
+    fla's 5.7-7.4 on 32k and 7.0-7.2 against 8.5-8.6 on 64k. Below 16k tokens x 16 heads a rank the
+    step is bound by its host (``QLA_SPLIT_MIN_WORK``); parts of 2048 tokens were slower than 4096
+    at CP = 2 on 32k (7.3 against 6.9 ms with fla's maps) and 8192 slower at CP = 1 (5.5 against 4.4)."""
     return _qla_split(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
 
 
@@ -115,7 +118,7 @@ def _qla_split(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
     if value_heads * chains >= QLA_MIN_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
             layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
         return 0
-    cut = -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64
+    cut = max(QLA_SPLIT_MIN_PART, -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64)
     return cut if cut < longest else 0
 
 

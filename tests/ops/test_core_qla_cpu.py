@@ -52,12 +52,13 @@ def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
 @pytest.mark.parametrize("docs,layout,tokens,W,heads,cut", [
     ("single", "contiguous", 32768, 1, 16, 4096), ("single", "contiguous", 65536, 2, 16, 4096),
     ("single", "zigzag", 65536, 2, 16, 4096), ("single", "zigzag_per_doc", 65536, 2, 16, 4096),
-    ("single", "contiguous", 32768, 2, 16, 0), ("single", "contiguous", 32768, 1, 64, 0),
+    ("single", "contiguous", 32768, 2, 16, 4096), ("single", "zigzag", 32768, 2, 16, 4096),
+    ("single", "contiguous", 32768, 4, 16, 0), ("single", "contiguous", 32768, 1, 64, 0),
     ("varlen", "contiguous", 65536, 2, 16, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
 def test_qla_cuts_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
-    """The one-H200 crossovers (``kcp.qla_split``): one 32k-token segment a rank at 16 heads is cut into parts
-    that give a rank 128 scans; 16k a rank is bound by the host's launches, and documents, or 64 heads, give
-    qla enough scans without a cut."""
+    """The one-H200 crossovers (``kcp.qla_split``): one segment of 16k or more tokens a rank at 16 heads is cut
+    into parts of at least 4096 tokens that give a rank 128 scans; 8k a rank is bound by the host's launches, and
+    documents, or 64 heads, give qla enough scans without a cut."""
     from benchmarks.common import cu_seqlens
     plan = build_plan(cu_seqlens(docs, tokens, pad=4), layout, W, 0, 4)
     assert kcp.qla_split(plan, heads) == cut
