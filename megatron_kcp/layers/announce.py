@@ -33,6 +33,8 @@ def announce(mixer, plan, q, v, g, packed_seq_params=None, tp_size: int = 1, exc
         kernels, exchange, cut = kcp.kernels("auto", q, v, g, plan, exchange)
         if cut:
             kernels += f" (segments cut to {cut} tokens)"
+        if kernels == "chunk":
+            kernels = "fla's single-device call"
     thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
     extra = "".join(f", {name}={val}" for name, val in options.items())
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "

@@ -450,13 +450,21 @@ def _halo_segments(plan: KCPPlan):
 
 
 def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
-    """fla's varlen conv over the local segments, each continuing segment starting from its halo."""
+    """fla's conv over the local segments, each continuing segment starting from its halo. Segments
+    of one length (a rank's zigzag pieces, Megatron's ``[s, b]`` rows) go as a batch of rows: fla's
+    varlen backward kernel took 1.6 ms where the batched one took 1.24 (one H100, 32k tokens x 6144
+    channels, megatron-core's GatedDeltaNet beside ours)."""
     from fla.modules.causal_conv1d import causal_conv1d as conv
     state = None
     if plan.world_size > 1 and plan.halo_len:
         # every rank passes a state (zeros where no segment continues): the halo's gradient then
         # reaches the backward collective on every rank, which all of them must join
         state = _HaloToState.apply(conv_reference.HaloExchange.apply(x[0], plan, group), plan).contiguous()
+    cu = plan.cu_seqlens
+    if len({b - a for a, b in zip(cu, cu[1:])}) == 1:
+        n = plan.num_segments
+        y, _ = conv(x.view(n, -1, x.shape[-1]), weight, bias, initial_state=state, activation=activation)
+        return y.view(x.shape)
     y, _ = conv(x, weight, bias, initial_state=state, activation=activation,
                 cu_seqlens=plan.cu_seqlens_tensor(x.device), cu_seqlens_cpu=plan.cu_seqlens_tensor())
     return y

@@ -5,7 +5,8 @@ local segments (``backend="fla"``: fla's kernels on CUDA, ``core_fla``; ``"qla"`
 fused GDN kernels, ``core_qla``; ``"reference"``: the pure-PyTorch oracle, ``core_reference``;
 ``"auto"``: qla where it runs (GDN, bf16/fp16, K = V = 128, Hopper or Blackwell, flash-qla
 installed) and is worth it (``qla_worth``; or, with few heads and a few long segments a rank, on
-a ``split`` plan, ``qla_split``), fla elsewhere on CUDA, the reference on CPU) and an
+a ``split`` plan, ``qla_split``), fla elsewhere on CUDA, the reference on CPU; without CP on CUDA,
+fla's own chunk call, ``single_device``: nothing to exchange) and an
 exchange *strategy* decides what crosses ranks and when (``"relay"``: true states point to point
 along each sequence; ``"gather"``: one all-gather of affine maps per direction; ``"auto"``: the
 cost model's pick, ``megatron_kcp.parallel.strategy``; under qla, the relay wherever a map would
@@ -39,14 +40,18 @@ def _backend(backend: str, x: torch.Tensor) -> str:
 
 def kernels(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, plan: KCPPlan,
             strategy: str = "auto", max_segment: int | None = None) -> tuple[str, str, int]:
-    """(the core that runs: fla, qla or reference; the exchange: relay or gather; the length its plan's
-    segments are cut to, 0: not cut) for this call. ``max_segment=None``: qla's cut where it pays."""
+    """(the core that runs: fla, qla, reference, or chunk: fla's own single-device call; the exchange:
+    relay or gather; the length its plan's segments are cut to, 0: not cut) for this call.
+    ``max_segment=None``: qla's cut where it pays. ``auto`` without CP on a GPU is ``chunk``
+    (``single_device``)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {EXCHANGES}")
     if max_segment is not None and max_segment < 0:
         raise ValueError(f"max_segment must be >= 0 (0: segments not cut; None: the kernels' pick), got {max_segment}")
+    if backend == "auto" and max_segment is None and plan.world_size == 1 and q.is_cuda:
+        return "chunk", strategy if strategy != "auto" else "gather", 0
     if max_segment is None:
         qla = backend == "qla" or backend == "auto" and q.is_cuda and qla_runs(q, v, g)
         max_segment = qla_split(plan, v.shape[2]) if qla and strategy != "relay" else 0
@@ -238,10 +243,31 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
                              "or 'auto'")
         return _cp2hp(plan, group, g.dim() == 4, _backend(backend, q), scale, use_qk_l2norm, q.device)(q, k, v, g, beta)
     backend, name, cut = kernels(backend, q, v, g, plan, "auto" if strategy == "cp2hp" else strategy, max_segment)
+    if backend == "chunk":
+        return single_device(q, k, v, g, beta, plan, scale, initial_state, use_qk_l2norm)
     if cut:
         plan = split(plan, cut)
     return KCPFunction.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm,
                              _core(backend, q, v, g), Relay() if name == "relay" else AllGather())
+
+
+def single_device(q, k, v, g, beta, plan: KCPPlan, scale: float, initial_state=None, l2: bool = False):
+    """Without CP there is nothing to exchange: fla's own chunk call over the local sequences, the
+    call megatron-core's mixer makes (fla hands GDN to flash-qla where that is installed, with its
+    intra-GPU split). Our step at W = 1 ran the map passes and fold of a cut plan instead: one H100,
+    GDN, H = 16, 32k tokens, the mixer's fwd+bwd 14.3 ms against megatron-core's 11.1."""
+    from megatron_kcp.ops import core_fla
+    kda = g.dim() == 4
+    core_fla.core(kda=kda, device=q.device)                  # the environment check
+    if kda:
+        from fla.ops.kda import chunk_kda as fn
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    # fp32 gate: flash-qla's backward needs it (and fla's kernels cumsum the gate in fp32 either way)
+    o, _ = fn(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state, output_final_state=False,
+              use_qk_l2norm_in_kernel=l2, cu_seqlens=plan.cu_seqlens_tensor(q.device),
+              cu_seqlens_cpu=plan.cu_seqlens_tensor())
+    return o
 
 
 def check_cp2hp(heads: int, value_heads: int, world_size: int, initial_state=None) -> None:

@@ -141,6 +141,74 @@ def test_qla_matches_reference(heads):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model", ["GDN", "GDN-grouped", "KDA"])
+def test_single_device_call_matches_reference(model, dtype):
+    """Without CP, ``auto`` on a GPU is fla's own chunk call (``kcp.single_device``: flash-qla's where fla
+    hands it GDN, as megatron-core's mixer gets), with and without the user's initial states, grouped
+    value heads too: against the fp64 reference core on a random varlen batch."""
+    kda, heads = model == "KDA", (2, 4) if model == "GDN-grouped" else (4, 4)
+    gen = torch.Generator().manual_seed(5)
+    cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
+    xs = random_inputs(gen, cu[-1], len(cu) - 1, *heads, K, V, kda, dtype=dtype, device="cuda")[:5]
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    assert kcp.kernels("auto", xs[0], xs[2], xs[3], plan)[0] == "chunk"
+    errs = _one_gpu_against_reference("auto", gen, cu, xs, heads[1])
+    print(f"single-device call vs reference {model} {dtype}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
+          flush=True)
+    assert all(e <= tolerance(n.split("|")[0], dtype, kda) for n, e in errs.items()), errs
+
+
+def _conv_equal_segments(out_dir):
+    """fla's conv on a plan whose local segments have one length (run as a batch of rows, with the halo
+    as each row's initial state) against the fp32 reference conv of the whole stream, every layout;
+    with the halo switched off it must miss."""
+    from megatron.core import parallel_state as ps
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator().manual_seed(9)
+    cu = (0, 2 * W * 96, 4 * W * 96)            # two sequences, each 2W pieces of 96 tokens
+    x, dy = (torch.randn(1, cu[-1], 64, generator=gen).cuda() for _ in range(2))
+    w = (torch.randn(64, KS, generator=gen) * 0.5).cuda()
+    ref = _conv(build_plan(cu, "contiguous", 1, 0, KS), None, x, w, dy, "reference")
+    lines = []
+    for layout in LAYOUTS:
+        plan = build_plan(cu, layout, W, r, KS)
+        assert len({b - a for a, b in zip(plan.cu_seqlens, plan.cu_seqlens[1:])}) == 1, plan.cu_seqlens
+        xl, dyl = shard(plan, x, dy)
+
+        def errors():
+            y, dx, dw = _conv(plan, group, xl, w, dyl, "fla")
+            dist.all_reduce(dw, group=group)           # each rank holds its tokens' share
+            e = torch.tensor([rel_err(y, shard(plan, ref[0])[0]), rel_err(dx, shard(plan, ref[1])[0]),
+                              rel_err(dw, ref[2])], device="cuda", dtype=torch.float64)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+            return e.tolist()
+        errs = errors()
+        restore = _exchange_off()
+        try:
+            off = errors()
+        finally:
+            restore()
+        # a halo crosses ranks where some rank's segment continues a sequence (not contiguous here: a
+        # sequence a rank)
+        crossing = torch.tensor(float(any(p is not None for p in plan.pred)), device="cuda")
+        dist.all_reduce(crossing, op=dist.ReduceOp.MAX, group=group)
+        lines.append(f"W={W} {layout}: y, dx, dw {errs}; halo off {off}")
+        if r == 0:
+            print(lines[-1], flush=True)
+        assert max(errs) <= CONV_TOL, lines[-1]
+        if crossing.item():
+            assert min(off[:2]) >= 10 * CONV_TOL, lines[-1]
+
+
+@needs_gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_conv_equal_segments_match_reference(world_size):
+    spawn(_conv_equal_segments, world_size, os.environ.get("KCP_EVIDENCE_DIR"))
+
+
+@needs_gpu
 @pytest.mark.parametrize("backend,cut", [("qla", 192), ("qla", 100), ("fla", 192)])
 def test_cut_segments_match_reference(backend, cut):
     """A plan cut into parts (``max_segment``: chunk-aligned, and not) on one GPU, GDN bf16: the parts'
