@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.jit import jit_fuser
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -34,6 +35,19 @@ def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: 
         cu = torch.arange(batch + 1) * (seq_len * cp_size)
     layout = "zigzag_per_doc" if cp_size > 1 else "contiguous"
     return plan_for_cp_group(cu, layout, conv_kernel_size, group)
+
+
+def split_heads(qkv: torch.Tensor, sizes: list[int], head_dims: list[int]) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the conv's output ``[1, T, x]`` as ``[1, T, heads, dim]`` (views)."""
+    return tuple(x.reshape(*x.shape[:2], -1, d) for x, d in zip(torch.split(qkv, sizes, dim=-1), head_dims))
+
+
+@jit_fuser
+def split_heads_contiguous(qkv: torch.Tensor, sizes: list[int], head_dims: list[int]) -> tuple[torch.Tensor, ...]:
+    """``split_heads`` made contiguous, as the kernels take them, in one fused kernel (its backward one
+    more): three strided copies and a concatenation took 1.1 ms a step against megatron-core's fused
+    0.36 (one H100, H = 16, 32k tokens)."""
+    return tuple(x.contiguous() for x in split_heads(qkv, sizes, head_dims))
 
 
 class KCPGatedDeltaNet(GatedDeltaNet):
@@ -76,12 +90,13 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         gate = gate.reshape(1, b * s, -1, self.value_head_dim)
         qkv = kcp.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
                                 self.activation, plan=plan, group=self.kcp_group)
-        q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
-        q, k = (x.reshape(1, b * s, -1, self.key_head_dim) for x in (q, k))
-        v = v.reshape(1, b * s, -1, self.value_head_dim)
-        # on GPUs the parent's torch.compile fusions of the decay and the gated norm (one kernel each, not
-        # ~8 eager ones over [T, H, 128] fp32); on the CPU the same math eagerly (inductor needs a compiler)
+        # on GPUs torch.compile fusions: q/k/v made contiguous, the parent's decay and gated norm (one kernel
+        # each, not ~8 eager ones over [T, H, 128] fp32); on the CPU the same math eagerly (inductor needs a
+        # compiler)
         fused = qkvzba.is_cuda
+        sizes = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        dims = [self.key_head_dim, self.key_head_dim, self.value_head_dim]
+        q, k, v = (split_heads_contiguous if fused else split_heads)(qkv, sizes, dims)
         if fused:
             g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
         else:
