@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
-from megatron_kcp.te import no_te_args
+from megatron_kcp.environment import no_te_args
 
 MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_kcp.te import te_available
+from megatron_kcp.environment import te_available
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 # Megatron's --spec import passes over an ImportError (it logs it and trains its default GPT): what this

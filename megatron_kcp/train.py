@@ -22,7 +22,7 @@ import torch
 
 from megatron_kcp.launch import check_split
 from megatron_kcp.spec import SPEC_NAMES, spec_from_name
-from megatron_kcp.te import no_te_args, te_available
+from megatron_kcp.environment import no_te_args, te_available
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 

@@ -94,7 +94,7 @@ def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
 def test_megatron_lm_command_without_te_turns_off_te_fusions(te, capsys, monkeypatch):
     """pretrain_gpt.py stops at startup on Megatron's TE/apex fusion defaults when TE is missing; the
     launcher adds the flags that turn them off then (megatron_kcp.train adds its own), and only then."""
-    from megatron_kcp import te as te_mod
+    from megatron_kcp import environment as te_mod
     monkeypatch.setattr(te_mod, "te_available", lambda: te)
     flags = [x for flag in te_mod.NO_TE_ARGS for x in flag]
     mlm = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM")

@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from megatron_kcp import launch
-from megatron_kcp.te import NO_TE_ARGS, te_available
+from megatron_kcp.environment import NO_TE_ARGS, te_available
 from tests.distributed import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -70,7 +70,7 @@ def _layernorm_recompute_without_te():
 
 def test_layernorm_recompute_without_te_names_the_fix():
     """megatron-core 0.19's layernorm recompute stops on a NameError without TE: say so at construction."""
-    from megatron_kcp.te import te_available
+    from megatron_kcp.environment import te_available
     if te_available():
         pytest.skip("TransformerEngine is installed")
     spawn(_layernorm_recompute_without_te, 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kcp.te import te_available
+from megatron_kcp.environment import te_available
 
 _announced = False
 
