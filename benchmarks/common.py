@@ -75,9 +75,9 @@ def spawn(fn, W, *args):
 
 
 def init_rank(rank, W, port, device_type) -> torch.device:
-    """The process group of one rank (tests.distributed.init_process: with fewer GPUs than ranks they
+    """The process group of one rank (megatron_kcp.testing.distributed.init_process: with fewer GPUs than ranks they
     share them over gloo, which only the memory report allows: peak memory is per process; timings
     refuse it in bench_ops.main)."""
-    from tests.distributed import init_process
+    from megatron_kcp.testing.distributed import init_process
     warnings.simplefilter("ignore")              # library deprecation chatter would bury the table
     return init_process(rank, W, port, device_type)

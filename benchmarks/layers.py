@@ -17,7 +17,7 @@ def _packed(docs, T, W):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_kcp.parallel.plan import build_plan, local_token_index
-    from tests.layers.harness import zigzag_rows
+    from megatron_kcp.testing.layers import zigzag_rows
     if docs == "single":
         return None, lambda t, cp, r: t if cp == 1 else zigzag_rows(t, cp, r)
     cu = cu_seqlens(docs, T, pad=2 * W)
@@ -37,7 +37,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     from megatron_kcp.layers.gdn import KCPGatedDeltaNet
-    from tests.layers.harness import Shape, build, config
+    from megatron_kcp.testing.layers import Shape, build, config
     args, W, rank, dev = b.args, b.W, b.rank, b.device
     shape = Shape(hidden=args.hidden, heads=(H, H), head_dim=args.head_dim, seq=T, batch=1, device=dev.type)
     kw = dict(bf16=True, params_dtype=torch.bfloat16) if b.dtype == torch.bfloat16 else {}
@@ -96,7 +96,7 @@ def run_layers(b: Bench, table: Table):
     """Every layer-level case of the command line (at the first --heads); --budget skips those left."""
     from megatron.core import parallel_state as ps
 
-    from tests.layers.harness import solo_pg
+    from megatron_kcp.testing.layers import solo_pg
     args, W = b.args, b.W
     if not b.cuda:
         import megatron.core.ssm.gated_delta_net.common as common

@@ -11,7 +11,7 @@ mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
 # scripts started side by side unpack once (the lock), not over each other
 [ -f ".tcache/$name.tar.gz" ] && flock "/tmp/$name.lock" tar --skip-old-files -xzf ".tcache/$name.tar.gz" -C "/tmp/$name"
 mkdir -p /tmp/kcp-site
-printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from tests.fast_autotune import enable\n    enable()\n' \
+printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from megatron_kcp.testing.fast_autotune import enable\n    enable()\n' \
   > /tmp/kcp-site/sitecustomize.py
 export PYTHONPATH="/tmp/kcp-site:$PWD:${PYTHONPATH:-}"
 

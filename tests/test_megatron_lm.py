@@ -24,7 +24,7 @@ import pytest
 
 from megatron_kcp import launch
 from megatron_kcp.environment import NO_TE_ARGS, te_available
-from tests.distributed import spawn
+from megatron_kcp.testing.distributed import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MEGATRON_LM = "/opt/Megatron-LM"
@@ -89,7 +89,7 @@ def test_readme_commands_are_the_launchers(index, preset, capsys):
 def _pretrain_gpt_builds(index, tmp_dir):
     """pretrain_gpt.py's startup up to the model: its parse_and_validate_args call, gpt_config_from_args
     (the spec imported by Megatron's import_module, patched for the one-token command), the builder."""
-    from tests import megatron_cpu
+    from megatron_kcp.testing import megatron_cpu
     megatron_cpu.enable()
     import megatron.training.argument_utils as argument_utils
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -123,7 +123,7 @@ def test_readme_commands_build_the_hybrids_as_pretrain_gpt_does(index, tmp_path,
 
 
 def _stops_without_te_flags():
-    from tests import megatron_cpu
+    from megatron_kcp.testing import megatron_cpu
     megatron_cpu.enable()
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -151,7 +151,7 @@ def _real_pretrain_gpt_step(index):
     import importlib.util
 
     import torch
-    from tests import megatron_cpu
+    from megatron_kcp.testing import megatron_cpu
     megatron_cpu.enable()
     torch.Tensor.cuda = lambda self, *a, **k: self
     from megatron.core.process_groups_config import ProcessGroupCollection

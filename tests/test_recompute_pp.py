@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.distributed import rel_err, spawn
+from megatron_kcp.testing.distributed import rel_err, spawn
 from tests.test_train import _small_model, entry_step
 
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_kcp import launch, train
-from tests.distributed import spawn
+from megatron_kcp.testing.distributed import spawn
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -70,7 +70,7 @@ def _small_model(preset, cp, extra, shrink=SMALL, cpu_init=True):
     (fp32; initialised on the CPU unless ``cpu_init=False``). Returns the args and a builder
     ``build(startup_draws=0)``: ``startup_draws`` numbers are drawn from the default CUDA generator
     after seeding, as Megatron's fusion warm-up does before it builds the model."""
-    from tests import megatron_cpu
+    from megatron_kcp.testing import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]
@@ -142,7 +142,7 @@ def _training_step(preset, out):
 def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
     """Loss and every gradient of the hybrid (linear mixers, softmax attention with RoPE, MLPs,
     embeddings) at CP=2 equal CP=1 in fp32."""
-    from tests.distributed import rel_err
+    from megatron_kcp.testing.distributed import rel_err
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")      # Megatron's check for TP/CP > 1
     spawn(_training_step, 1, preset, tmp_path / "cp1")
     spawn(_training_step, 2, preset, tmp_path / "cp2")

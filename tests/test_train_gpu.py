@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.layers.attention import gather_zigzag
-from tests.distributed import rel_err, spawn
+from megatron_kcp.testing.distributed import rel_err, spawn
 from tests.test_train import _small_model, entry_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

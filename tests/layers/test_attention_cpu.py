@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import rel_err, spawn
+from megatron_kcp.testing.distributed import rel_err, spawn
 
 HEADS, GROUPS, HEAD_DIM, BATCH = 4, 2, 8, 2
 
@@ -52,8 +52,8 @@ def _reference(q, k, v, dout):
 
 def _cp1_matches_megatron():
     """(CP = 1) the same function as Megatron's local DotProductAttention, GQA included; THD raises."""
-    import tests.megatron_cpu
-    tests.megatron_cpu.enable()                          # DotProductAttention's score buffer is on the GPU
+    import megatron_kcp.testing.megatron_cpu
+    megatron_kcp.testing.megatron_cpu.enable()                          # DotProductAttention's score buffer is on the GPU
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     cfg = _config()

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.layers.attention import gather_zigzag
-from tests.distributed import rel_err, spawn
-from tests.layers.harness import CPU, build, config, zigzag_rows
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.layers import CPU, build, config, zigzag_rows
 
 
 def _full_output(mod, cp, cp_rank, group):

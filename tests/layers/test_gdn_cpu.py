@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.distributed import rel_err, spawn
-from tests.layers.harness import CPU, build, compare_tp_cp, config
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.layers import CPU, build, compare_tp_cp, config
 
 
 def test_tp2_cp2_matches_tp1_cp1():

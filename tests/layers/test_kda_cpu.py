@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.distributed import spawn
-from tests.layers.harness import CPU, build, compare_tp_cp, config
+from megatron_kcp.testing.distributed import spawn
+from megatron_kcp.testing.layers import CPU, build, compare_tp_cp, config
 
 
 def test_kda_tp2_cp2_matches_tp1_cp1():

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.distributed import spawn
-from tests.layers.harness import GPU, compare_tp_cp
+from megatron_kcp.testing.distributed import spawn
+from megatron_kcp.testing.layers import GPU, compare_tp_cp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

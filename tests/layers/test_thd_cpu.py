@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import rel_err, spawn
-from tests.layers.harness import CPU, build, config, solo_pg
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.layers import CPU, build, config, solo_pg
 
 
 def _thd(model):

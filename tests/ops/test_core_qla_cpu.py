@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from megatron_kcp.ops import core_qla, kcp
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
-from tests.distributed import spawn
-from tests.parallel.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
+from megatron_kcp.testing.distributed import spawn
+from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
 from tests.parallel.test_kcp_cpu import TOL, _compare, _exchange_off, _group
 
 CU = (0, 1024)
@@ -88,7 +88,7 @@ def test_qla_refuses_what_it_cannot_run(case, match):
 
 
 def _qla_cases(layouts):
-    from tests.ops import qla_contracts
+    from megatron_kcp.testing import qla_contracts
     qla_contracts.install()
     group = _group()
     W = dist.get_world_size(group)

@@ -7,8 +7,8 @@ import torch
 from megatron_kcp.ops import kcp
 from megatron_kcp.ops import reference as R
 from megatron_kcp.parallel.plan import build_plan
-from tests.distributed import rel_err
-from tests.parallel.cases import random_inputs
+from megatron_kcp.testing.distributed import rel_err
+from megatron_kcp.testing.cases import random_inputs
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron_kcp.ops import conv_reference, kcp
 from megatron_kcp.ops import reference as R
 from megatron_kcp.parallel.plan import LAYOUTS
-from tests.distributed import rel_err, spawn
-from tests.parallel.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, random_inputs, shard
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, random_inputs, shard
 
 KINDS = ("random", "single", "edges", "tiny")
 STRATEGIES = ("relay", "gather")

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
-from tests.distributed import rel_err, spawn
-from tests.parallel.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
 from tests.parallel.test_kcp_cpu import STRATEGIES, _exchange_off
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -61,7 +61,7 @@ def _precision(monkeypatch):
     """3xTF32 fp32 products (see the module docstring); spawned ranks inherit it."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     if os.environ.get("KCP_FAST_AUTOTUNE"):
-        from tests.fast_autotune import enable
+        from megatron_kcp.testing.fast_autotune import enable
         enable()
 
 

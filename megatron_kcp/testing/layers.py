@@ -1,5 +1,5 @@
 """What the mixer tests share: configs, builders, Megatron's CP / TP / SP splits of the input, and the
-TP x CP vs TP=1 x CP=1 comparison itself (run inside ``tests.distributed.spawn`` ranks)."""
+TP x CP vs TP=1 x CP=1 comparison itself (run inside ``megatron_kcp.testing.distributed.spawn`` ranks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import rel_err
+from megatron_kcp.testing.distributed import rel_err
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def config(model: str, shape: Shape, cp: int = 1, tp: int = 1, **kw):
 def build(model: str, cfg, pg, device: str = "cpu", cls=None, **options):
     """The KCP mixer (or ``cls`` with the GDN submodules) with Megatron's local layers, seeded; ``options``
     go to the KDA mixer's constructor."""
-    import tests.megatron_cpu
-    tests.megatron_cpu.enable()
+    import megatron_kcp.testing.megatron_cpu
+    megatron_kcp.testing.megatron_cpu.enable()
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
     torch.manual_seed(0)
     if device == "cuda":

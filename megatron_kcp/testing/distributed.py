@@ -49,7 +49,7 @@ def _worker(rank, world_size, port, tp, pp, fn, args, errors):
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
     if os.environ.get("KCP_FAST_AUTOTUNE"):
-        from tests.fast_autotune import enable
+        from megatron_kcp.testing.fast_autotune import enable
         enable()
     init_process(rank, world_size, port)
     from megatron.core import parallel_state as ps
