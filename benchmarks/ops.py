@@ -28,7 +28,7 @@ def chunk_kernel(model: str, device: torch.device):
         from megatron_kcp.ops import reference
 
         def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None):
-            return reference.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_cpu)[0]
+            return reference.chunk_gated_delta_rule_fp64(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_cpu)[0]
         return run
     if model == "KDA":
         from fla.ops.kda import chunk_kda as fn

@@ -22,9 +22,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 def _step(preset, core, out):
     from megatron.core import parallel_state as ps
 
-    from megatron_kcp.ops import kcp
-    if core == "reference":
-        kcp._backend = lambda backend, x: "reference"
+    if core == "reference":                # every KCP op on the PyTorch reference
+        import functools
+
+        from megatron_kcp.ops import dispatch, kcp
+        from megatron_kcp.ops.core_reference import ReferenceCore
+        dispatch.build_core = lambda *args: ReferenceCore()
+        kcp.causal_conv1d = functools.partial(kcp.causal_conv1d, backend="reference")
     group = ps.get_context_parallel_group()
     args, build = _small_model(preset, ps.get_context_parallel_world_size(), (), shrink=())
     model = build().cuda()

@@ -23,27 +23,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch.nn.attention.bias import causal_lower_right
 
-
-class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward sums every rank's gradient of this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
+from megatron_kcp.parallel.comm import AllGatherSeq
 
 
 def gather_zigzag(x: torch.Tensor, group, world_size: int) -> torch.Tensor:
     """Every rank's zigzag shard ``[s_local, ...]`` -> the global sequence ``[W * s_local, ...]`` in order."""
-    g = _AllGatherSeq.apply(x, group).view(world_size, 2, x.shape[0] // 2, *x.shape[1:])
+    g = AllGatherSeq.apply(x, group).view(world_size, 2, x.shape[0] // 2, *x.shape[1:])
     # rank r's halves are global chunks r and 2W-1-r: first halves in rank order, then second halves reversed
     return torch.cat([g[:, 0], g[:, 1].flip(0)]).flatten(0, 1)
 

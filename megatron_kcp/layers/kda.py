@@ -4,7 +4,7 @@ Parameter names and math follow fla's ``KimiDeltaAttention`` (Kimi Linear): q/k/
 with short convs, a low-rank forget-gate projection ``f_proj`` with per-key-dim ``dt_bias`` and
 per-head ``A_log``, ``b_proj`` for beta, a low-rank output gate ``g_proj``, a sigmoid-gated
 RMSNorm ``o_norm`` and ``o_proj``. Heads are split over TP; the sequence stays split over CP.
-``exchange="cp2hp"`` (``cp2hp_kda_hybrid_layer_spec``) swaps KCP for megatron-core GatedDeltaNet's
+``strategy="cp2hp"`` (``cp2hp_kda_hybrid_layer_spec``) swaps KCP for megatron-core GatedDeltaNet's
 all-to-all to head shards around the kernel: the same module as its own cp2hp peer.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
-from megatron_kcp.layers.announce import announce
-from megatron_kcp.layers.gdn import packed_plan
-from megatron_kcp.ops import kcp
+from megatron_kcp.layers.common import announce, packed_plan
+from megatron_kcp.ops import dispatch, kcp
+from megatron_kcp.parallel.cp2hp import check_cp2hp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
 
 
@@ -94,7 +94,7 @@ class GatedRMSNorm(torch.nn.Module):
 class KCPKimiDeltaAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: KDASubmodules, layer_number: int = 1,
                  pg_collection=None, kda_gate_rank: int | None = None, kda_norm_eps: float | None = None,
-                 exchange: str = "auto", **kwargs):
+                 strategy: str = "auto", **kwargs):
         super().__init__(config)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -113,11 +113,11 @@ class KCPKimiDeltaAttention(MegatronModule):
         if max(self.K, self.V) > MAX_HEAD_DIM:
             raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}: "
                              "use more heads of a smaller head dim")
-        if exchange not in kcp.EXCHANGES:
-            raise ValueError(f"exchange={exchange!r}: use one of {kcp.EXCHANGES}")
-        if exchange == "cp2hp" and pg_collection.cp.size() > 1:
-            kcp.check_cp2hp(self.H // tp, self.HV // tp, pg_collection.cp.size())
-        self.exchange = exchange
+        if strategy not in dispatch.STRATEGY_NAMES:
+            raise ValueError(f"strategy={strategy!r}: use one of {dispatch.STRATEGY_NAMES}")
+        if strategy == "cp2hp" and pg_collection.cp.size() > 1:
+            check_cp2hp(self.H // tp, self.HV // tp, pg_collection.cp.size())
+        self.strategy = strategy
         self.options = kda_options(config, tp, kda_gate_rank=kda_gate_rank, kda_norm_eps=kda_norm_eps)
         rank, eps = self.options["kda_gate_rank"] or self.V, self.options["kda_norm_eps"]
         self.gate_rank = rank
@@ -214,9 +214,9 @@ class KCPKimiDeltaAttention(MegatronModule):
         g = -self.A_log.exp()[:, None] * F.softplus(f.float() + self.dt_bias.view(self.hv_loc, self.K))
         beta = stream(b).sigmoid()
         q, k, v = q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K), v.view(1, T, self.hv_loc, self.V)
-        announce(self, plan, q, v, g, packed_seq_params, self.pg_collection.tp.size(), self.exchange,
+        announce(self, plan, q, v, g, packed_seq_params, self.pg_collection.tp.size(), self.strategy,
                  kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
-        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, cp_group, use_qk_l2norm=True, strategy=self.exchange)
+        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, cp_group, use_qk_l2norm=True, strategy=self.strategy)
         gate = stream(self.g_proj[1](g_low)[0]).view(1, T, self.hv_loc, self.V)
         o = self.o_norm(o, gate).reshape(bsz, s, -1).transpose(0, 1).contiguous()
         return self.o_proj(o)

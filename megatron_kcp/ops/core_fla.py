@@ -1,13 +1,13 @@
 """The local core of a KCP step on CUDA, composed from fla-core's single-device chunk kernels.
 
-The same steps fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` run, cut where the exchange
-strategies need them (``core_reference`` documents the methods): ``prepare`` (l2norm, gate cumsum,
-the WY form: everything that needs no state) over the whole local stream once; the state pass on
-any set of segments (one launch of fla's kernel for a scattered set, ``Selection``), into buffers
-of the whole stream; the output on a range of segments (varlen, one launch for all its documents);
-fla's CP pre-process for the transition maps of any set; and the backward cut around the
-state-gradient pass, so that what does not need the incoming gradient runs while it travels.
-The short conv runs fla's varlen conv with each piece's halo as that segment's initial state.
+Implements :class:`megatron_kcp.parallel.core.LocalCore` with the steps fla's
+``chunk_gated_delta_rule`` / ``chunk_kda`` run, taken apart where the exchange strategies need them:
+``prepare`` (l2norm, gate cumsum, the WY form: everything that needs no state) over the whole local
+stream once; the state pass on any set of segments (one launch of fla's kernel for a scattered set,
+``Selection``), into buffers of the whole stream; the output on a range of segments (varlen, one
+launch for all its documents); fla's CP pre-process for the transition maps of any set; and the
+backward split around the state-gradient pass, so that what does not need the incoming gradient
+runs while it travels.
 """
 from __future__ import annotations
 
@@ -16,45 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_kcp.ops import conv_reference
+from megatron_kcp.environment import check_fla
+from megatron_kcp.parallel.core import Backward, Prepared, States
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
-FLA_VERSION = "0.6.0"
 CHUNK = 64
-
-
-def check_fla_environment(device: torch.device | None = None) -> None:
-    """Fail early, with the fix, where fla would fail late or compute wrong numbers."""
-    try:
-        import fla
-        import triton
-    except ImportError as e:
-        raise RuntimeError(f"the CUDA path of megatron_kcp needs fla-core=={FLA_VERSION} and triton: "
-                           f"pip install fla-core=={FLA_VERSION} ({e})") from e
-    if getattr(fla, "__version__", None) != FLA_VERSION:
-        raise RuntimeError(f"megatron_kcp is built and tested against fla-core {FLA_VERSION}, found "
-                           f"{getattr(fla, '__version__', 'unknown')}: pip install fla-core=={FLA_VERSION}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("fla's kernels need a CUDA GPU; on CPU use backend='reference'")
-    idx = (device or torch.device("cuda")).index
-    major, minor = torch.cuda.get_device_capability(idx if idx is not None else torch.cuda.current_device())
-    if major < 8:
-        raise RuntimeError(f"fla's CP kernels need an Ampere or newer GPU (compute capability >= 8.0), this one "
-                           f"is {major}.{minor}: use backend='reference' (slow) or another GPU")
-    from packaging.version import Version
-    tv = Version(triton.__version__.split("+")[0])
-    if major == 9 and Version("3.4.0") <= tv < Version("3.7.1"):
-        try:
-            import tilelang  # noqa: F401
-        except ImportError:
-            raise RuntimeError(f"Triton {tv} on Hopper computes gated GDN backward wrongly and fla 0.6.0 then refuses "
-                               "it: pip install tilelang (fla dispatches that kernel to it) or triton>=3.7.1") from None
-
-
-@functools.lru_cache(maxsize=None)
-def _checked(device_index: int) -> int:
-    check_fla_environment(torch.device("cuda", device_index))
-    return device_index
 
 
 @functools.lru_cache(maxsize=256)
@@ -162,11 +128,11 @@ def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale)
     return _pick(dh0, sel)
 
 
-def _split(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _by_state_rows(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the segments of ``segs`` whose pass needs state rows, the others). A segment reads its initial
     state (writes its gradient) only where it can be nonzero (``P.live``: received, or the user's) and
-    writes its final state (reads its gradient) only where a successor takes it; at 100 documents a
-    rank holds 50 segments and most need neither: 4 MiB (H = 64, fp32) each way per segment saved."""
+    writes its final state (reads its gradient) only where a successor takes it: with many documents
+    most segments need neither, and a state row is HV x K x V fp32 each way."""
     if P.live is None:
         return tuple(segs), ()
     need = [s in P.live or P.plan.succ[s] is not None for s in segs]
@@ -184,73 +150,34 @@ def _in_order(out, rows, segs, like):
     return full
 
 
-@dataclass
-class Prepared:
-    saved: tuple          # what the backward keeps (see each core's prepare)
-    plan: KCPPlan
-    scale: float
-    l2: bool
-    fwd: tuple = ()       # forward-only intermediates (w, u, ...), dropped before the backward
-    live: frozenset | None = None   # segments whose initial state may be nonzero (None: every one)
+class _FLACore:
+    """What GDN and KDA share; the subclasses hold the model's own kernels."""
+    fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
 
-    def tensors(self):
-        return self.saved
-
-
-@dataclass
-class States:
-    """The forward state pass's results over the whole local stream, filled segment set by segment set."""
-    h: torch.Tensor       # [1, chunks, HV, K, V] chunk-start states
-    v_new: torch.Tensor   # [1, T, HV, V]
-
-
-@dataclass
-class Backward:
-    """One range's backward: what ``backward_prepare`` computed, and the buffers the state-gradient
-    passes fill."""
-    lo: int
-    hi: int
-    xs: tuple             # the range's prepared tensors and recomputed forward
-    dh: torch.Tensor      # [1, chunks, HV, K, V]
-    dv: torch.Tensor      # the local value gradient (input of the state-gradient pass)
-    dv2: torch.Tensor     # ... and with the state's share (its output)
-    kw: dict
-
-
-class _Core:
-    # the passes fill buffers that ``output`` and ``backward_rest`` read (qla's fused kernels run their own)
-    fused = False
-
-    def restore(self, saved, plan, scale, l2, live=None) -> Prepared:
-        return Prepared(tuple(saved), plan, scale, l2, live=live)
-
-    def cut(self, P: Prepared, lo, hi, *xs):
+    def _range_inputs(self, P: Prepared, lo, hi, *xs):
+        """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""
         a, b, cu, ci = _ranges(P.plan, lo, hi, str(xs[0].device))
         return [None if x is None else x[:, a:b] for x in xs], dict(cu_seqlens=cu, chunk_indices=ci)
 
-    def states(self, P: Prepared, h0=None) -> States:
+    def states(self, P: Prepared, h0) -> States:
         u = P.fwd[1]
-        n = P.plan.num_segments
-        NT = _chunk_offsets(P.plan, 0, n)[-1]
-        return States(u.new_empty(1, NT, u.shape[2], P.saved[1].shape[3], u.shape[3]), torch.empty_like(u))
+        NT = _chunk_offsets(P.plan, 0, P.plan.num_segments)[-1]
+        return States(h0, h=u.new_empty(1, NT, u.shape[2], P.saved[1].shape[3], u.shape[3]), v_new=torch.empty_like(u))
 
     def _state_inputs(self, P):
         """(k, w, u, g, gk) of the state pass (and of the maps)."""
         raise NotImplementedError
 
     def state(self, P: Prepared, st: States, segs, h0):
-        """Final states ``[len(segs), HV, K, V]`` of ``segs`` (sorted local segments) from the initial
-        states ``h0`` (a row per local segment); their chunk states go into ``st``."""
         n, dev, xs = P.plan.num_segments, str(h0.device), self._state_inputs(P)
-        rows, free = _split(P, segs)
+        rows, free = _by_state_rows(P, segs)
         out = state_pass(_selection(P.plan, 0, n, rows, dev), *xs, h0, st.h, st.v_new) if rows else None
         if free:
             state_pass(_selection(P.plan, 0, n, free, dev), *xs, None, st.h, st.v_new)
         return _in_order(out, rows, segs, h0)
 
     def maps(self, P: Prepared, segs):
-        """[H | M] ``[len(segs), HV, K, V + K]`` fp32 of ``segs``: fla's CP pre-process on the state
-        pass's inputs (scalar gate for GDN, per-key gate for KDA)."""
+        """fla's CP pre-process on the state pass's inputs (scalar gate for GDN, per-key gate for KDA)."""
         from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
         k, w, u, g, gk = self._state_inputs(P)
         sel = _selection(P.plan, 0, P.plan.num_segments, tuple(segs), str(k.device))
@@ -263,11 +190,8 @@ class _Core:
         return x[:, off[lo]:off[hi]]
 
     def backward_state(self, P: Prepared, B: Backward, segs, dht):
-        """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi))
-        from the final-state gradients ``dht`` (a row per segment of the range); their chunk state
-        gradients go into ``B``."""
         dev, xs = str(dht.device), self._grad_inputs(B)
-        rows, free = _split(P, segs)
+        rows, free = _by_state_rows(P, segs)
         out = None
         if rows:
             out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, B.dv, dht, B.dh, B.dv2, P.scale)
@@ -297,7 +221,6 @@ class _Core:
         return q, k, v, gc, beta, qr, kr, dict(cu_seqlens=cu, chunk_indices=ci)
 
     def finish(self, P: Prepared, grads):
-        """Input gradients from those of the prepared tensors (the l2norm's backward)."""
         dq, dk, dv, dg, db = grads
         if P.l2:
             from fla.modules.norm.l2norm import l2norm_bwd
@@ -305,8 +228,14 @@ class _Core:
             dq, dk = l2norm_bwd(q, qr, dq), l2norm_bwd(k, kr, dk)
         return dq, dk, dv, dg, db
 
+    def single_device(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                      cu_seqlens_cpu):
+        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_seqlens_cpu)
 
-class GDNCore(_Core):
+
+class GDNCore(_FLACore):
     """Gated DeltaNet: one log-decay per head (``g`` ``[1, T, HV]``)."""
 
     def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
@@ -321,7 +250,7 @@ class GDNCore(_Core):
 
     def output(self, P, st: States, lo, hi):
         from fla.ops.common.chunk_o import chunk_fwd_o
-        (q, k, g, v_new), kw = self.cut(P, lo, hi, P.saved[0], P.saved[1], P.saved[3], st.v_new)
+        (q, k, g, v_new), kw = self._range_inputs(P, lo, hi, P.saved[0], P.saved[1], P.saved[3], st.v_new)
         return chunk_fwd_o(q=q, k=k, v=v_new, h=self._h_range(P, lo, hi, st.h), g=g, scale=P.scale,
                            **kw).to(q.dtype)
 
@@ -330,12 +259,13 @@ class GDNCore(_Core):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-        (q, k, v, g, beta, A, do), kw = self.cut(P, lo, hi, *P.saved[:5], P.saved[7], do)
+        (q, k, v, g, beta, A, do), kw = self._range_inputs(P, lo, hi, *P.saved[:5], P.saved[7], do)
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, **kw)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=self._h0(P, lo, hi, h0),
                                                    output_final_state=False, **kw)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=P.scale, **kw)
-        return Backward(lo, hi, (q, k, w, g, do, h, v_new), torch.empty_like(h), dv, torch.empty_like(dv), kw)
+        return Backward(lo, hi, (q, k, w, g, do, h, v_new), dh=torch.empty_like(h), dv=dv, dv2=torch.empty_like(dv),
+                        kw=kw)
 
     def _grad_inputs(self, B):
         q, k, w, g, do = B.xs[:5]
@@ -345,7 +275,7 @@ class GDNCore(_Core):
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
         from fla.ops.utils import chunk_local_cumsum
-        (q, k, v, g, beta, A), kw = self.cut(P, B.lo, B.hi, *P.saved[:5], P.saved[7])
+        (q, k, v, g, beta, A), kw = self._range_inputs(P, B.lo, B.hi, *P.saved[:5], P.saved[7])
         _, _, w, _, do, h, v_new = B.xs
         dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=B.dv2, do=do, dh=B.dh, scale=P.scale,
                                          **kw)
@@ -356,7 +286,7 @@ class GDNCore(_Core):
         return dq, dk, dv, dg, db
 
 
-class KDACore(_Core):
+class KDACore(_FLACore):
     """Kimi Delta Attention: one log-decay per head and key dim (``g`` ``[1, T, HV, K]``)."""
 
     def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
@@ -372,7 +302,7 @@ class KDACore(_Core):
 
     def output(self, P, st: States, lo, hi):
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        (q, g, Aqk, v_new), kw = self.cut(P, lo, hi, P.saved[0], P.saved[3], P.saved[7], st.v_new)
+        (q, g, Aqk, v_new), kw = self._range_inputs(P, lo, hi, P.saved[0], P.saved[3], P.saved[7], st.v_new)
         return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=self._h_range(P, lo, hi, st.h), scale=P.scale,
                                   chunk_size=CHUNK, **kw).to(q.dtype)
 
@@ -380,12 +310,13 @@ class KDACore(_Core):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
         from fla.ops.kda.wy_fast import recompute_w_u_fwd
-        (q, k, v, g, beta, Aqk, Akk, do), kw = self.cut(P, lo, hi, *P.saved[:5], *P.saved[7:9], do)
+        (q, k, v, g, beta, Aqk, Akk, do), kw = self._range_inputs(P, lo, hi, *P.saved[:5], *P.saved[7:9], do)
         w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=g, q=q, **kw)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=self._h0(P, lo, hi, h0),
                                                    output_final_state=False, **kw)
         dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=P.scale, chunk_size=CHUNK, **kw)
-        return Backward(lo, hi, (qg, kg, w, g, do, h, v_new, dAqk), torch.empty_like(h), dv, torch.empty_like(dv), kw)
+        return Backward(lo, hi, (qg, kg, w, g, do, h, v_new, dAqk), dh=torch.empty_like(h), dv=dv,
+                        dv2=torch.empty_like(dv), kw=kw)
 
     def _grad_inputs(self, B):
         qg, kg, w, g, do = B.xs[:5]
@@ -395,7 +326,7 @@ class KDACore(_Core):
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
         from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
         from fla.ops.utils import chunk_local_cumsum
-        (q, k, v, g, beta, Akk), kw = self.cut(P, B.lo, B.hi, *P.saved[:5], P.saved[8])
+        (q, k, v, g, beta, Akk), kw = self._range_inputs(P, B.lo, B.hi, *P.saved[:5], P.saved[8])
         *_, do, h, v_new, dAqk = B.xs
         dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=Akk,
                                                                h=h, do=do, dh=B.dh, dv=B.dv2, scale=P.scale,
@@ -410,61 +341,18 @@ class KDACore(_Core):
         return dq, dk, dv, dg, db
 
 
-def core(kda: bool, device: torch.device):
-    _checked(device.index if device.index is not None else torch.cuda.current_device())
+def core(kda: bool, device: torch.device) -> GDNCore | KDACore:
+    """fla's core for GDN (``kda=False``) or KDA, after the environment check for ``device``."""
+    check_fla(device)
     return KDACore() if kda else GDNCore()
 
 
-class _HaloToState(torch.autograd.Function):
-    """Halo rows ``[P * (ks - 1), D]`` -> fla's conv initial states ``[num_segments, D, ks]`` (zero where a
-    segment starts its sequence); backward: the states' gradient back onto the halo rows."""
-
-    @staticmethod
-    def forward(ctx, halo, plan: KCPPlan):
-        segs, pieces = _halo_segments(plan)
-        hl, ks = plan.halo_len, plan.conv_kernel_size
-        state = halo.new_zeros(plan.num_segments, halo.shape[1], ks)
-        if segs:
-            rows = halo.view(plan.num_pieces, hl, -1).index_select(0, index_tensor(pieces, halo.device))
-            state[..., 1:].index_copy_(0, index_tensor(segs, halo.device), rows.transpose(1, 2))
-        ctx.plan, ctx.shape = plan, halo.shape
-        return state
-
-    @staticmethod
-    def backward(ctx, dstate):
-        segs, pieces = _halo_segments(ctx.plan)
-        plan = ctx.plan
-        dhalo = dstate.new_zeros(plan.num_pieces, plan.halo_len, ctx.shape[1])
-        if segs:
-            rows = dstate[..., 1:].index_select(0, index_tensor(segs, dstate.device))
-            dhalo.index_copy_(0, index_tensor(pieces, dstate.device), rows.transpose(1, 2))
-        return dhalo.view(ctx.shape), None
-
-
-@functools.lru_cache(maxsize=64)
-def _halo_segments(plan: KCPPlan):
-    """(segments that continue a sequence from an earlier piece, the piece each starts)."""
-    starts = {s: p for p, (s, _) in enumerate(plan.pieces)}
-    pairs = [(i, starts[s]) for i, s in enumerate(plan.seg_start) if s in starts and plan.pred[i] is not None]
-    return tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
-
-
-def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
-    """fla's conv over the local segments, each continuing segment starting from its halo. Segments
-    of one length (a rank's zigzag pieces, Megatron's ``[s, b]`` rows) go as a batch of rows: fla's
-    varlen backward kernel took 1.6 ms where the batched one took 1.24 (one H100, 32k tokens x 6144
-    channels, megatron-core's GatedDeltaNet beside ours)."""
-    from fla.modules.causal_conv1d import causal_conv1d as conv
-    state = None
-    if plan.world_size > 1 and plan.halo_len:
-        # every rank passes a state (zeros where no segment continues): the halo's gradient then
-        # reaches the backward collective on every rank, which all of them must join
-        state = _HaloToState.apply(conv_reference.HaloExchange.apply(x[0], plan, group), plan).contiguous()
-    cu = plan.cu_seqlens
-    if len({b - a for a, b in zip(cu, cu[1:])}) == 1:
-        n = plan.num_segments
-        y, _ = conv(x.view(n, -1, x.shape[-1]), weight, bias, initial_state=state, activation=activation)
-        return y.view(x.shape)
-    y, _ = conv(x, weight, bias, initial_state=state, activation=activation,
-                cu_seqlens=plan.cu_seqlens_tensor(x.device), cu_seqlens_cpu=plan.cu_seqlens_tensor())
-    return y
+def fla_chunk(q, k, v, g, beta, **kwargs) -> torch.Tensor:
+    """o of fla's own single-device call (``chunk_kda`` for a per-key gate, else
+    ``chunk_gated_delta_rule``, which fla hands to flash-qla where that is installed). The gate goes
+    in fp32: fla cumsums it in fp32 either way, and flash-qla's backward needs it so."""
+    if g.dim() == 4:
+        from fla.ops.kda import chunk_kda as fn
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    return fn(q, k, v, g.float(), beta, output_final_state=False, **kwargs)[0]

@@ -1,17 +1,18 @@
 """The local core of a KCP step for GDN on flash-qla's fused TileLang kernels (Hopper, Blackwell).
 
-flash-qla fuses what fla runs as separate kernels: the state pass with the output
-(``fused_gdr_fwd``) and the state-gradient pass with the rest of the backward (``fused_gdr_bwd``),
-about 1.9x fla's Triton kernels on one H200. Its stand-alone passes (``fused_gdr_h``: final states,
+Implements :class:`megatron_kcp.parallel.core.LocalCore`. flash-qla fuses what fla runs as separate
+kernels: the state pass with the output (``fused_gdr_fwd``) and the state-gradient pass with the
+rest of the backward (``fused_gdr_bwd``). Its stand-alone passes (``fused_gdr_h``: final states,
 or chunk states; ``fused_gdr_dh``: initial-state gradients) give what the exchange must send early.
-So the core's cut differs from ``core_fla``'s: ``state`` runs a pass only where a successor takes
+So this core takes the step apart differently from ``core_fla``: ``state`` runs a pass only where a successor takes
 the final state, ``output`` runs the fused forward from the initial states (its own state pass),
 ``backward_state`` runs a pass only where a predecessor (or the user's initial state) takes the
 gradient, and ``backward_rest`` runs the fused backward from the final-state gradients. Every pass
 keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges them in bf16: it
 is not used). flash-qla has no transition-map kernel: ``maps`` runs its state pass twice, from
 zero states with the values (H) and from identity states without them (M); the backward's ``M^T``
-is the forward's. That is what a ``split`` plan needs at few heads (``kcp.qla_split``).
+is the forward's. That is what a plan with ``max_segment`` needs at few heads
+(``dispatch.qla_max_segment``).
 
 A pass runs once over the range from the first to the last segment that needs it (every segment
 in between computed and dropped): one launch, never a gather of tokens. On contiguous and zigzag
@@ -20,41 +21,13 @@ layouts that range is one segment a piece; on per-document zigzag it is most of 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
-from megatron_kcp.ops.core_fla import Prepared, _Core
+from megatron_kcp.environment import check_qla
+from megatron_kcp.ops.core_fla import fla_chunk
+from megatron_kcp.parallel.core import Backward, Prepared, States
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
-
-QLA_VERSION = "0.1.3"
-HEAD_DIM = 128
-ARCHS = ((9, 0), (10, 0), (10, 3))       # where flash-qla's chunk is 64 and every kernel exists
-
-
-def check_qla(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> None:
-    """Fail early, with the fix, where flash-qla cannot run this problem."""
-    if kda:
-        raise ValueError("backend 'qla' runs GDN only (flash-qla has no KDA kernels): use backend='fla' for KDA")
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"backend 'qla' takes bf16 or fp16 inputs, got {dtype}: use backend='fla' for fp32")
-    if head_dims != (HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"backend 'qla' needs K = V = {HEAD_DIM}, got {head_dims}: use backend='fla'")
-    if not torch.cuda.is_available():
-        raise RuntimeError("backend 'qla' needs a CUDA GPU; on CPU use backend='reference'")
-    cap = torch.cuda.get_device_capability(device.index if device.index is not None else torch.cuda.current_device())
-    if cap not in ARCHS:
-        raise RuntimeError(f"backend 'qla' runs on Hopper (sm90) and Blackwell (sm100/103), this GPU is "
-                           f"sm{cap[0]}{cap[1]}: use backend='fla'")
-    try:
-        import flash_qla
-    except ImportError as e:
-        raise RuntimeError(f"backend 'qla' needs flash-qla=={QLA_VERSION}: pip install flash-qla=={QLA_VERSION} "
-                           f"({e})") from e
-    found = getattr(flash_qla, "__version__", None)
-    if found is not None and found != QLA_VERSION:
-        raise RuntimeError(f"megatron_kcp is built against flash-qla {QLA_VERSION}, found {found}: "
-                           f"pip install flash-qla=={QLA_VERSION}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,20 +61,7 @@ def _cover(segs) -> tuple[int, int] | None:
     return (min(segs), max(segs) + 1) if segs else None
 
 
-@dataclass
-class States:
-    h0: torch.Tensor      # every local segment's initial state, filled as they become known
-
-
-@dataclass
-class Backward:
-    lo: int
-    hi: int
-    xs: tuple             # (q, k, v, g, beta, A, do, h) of the range; h: its chunk states
-    dht: torch.Tensor | None = None   # a row per segment of the range, filled as gradients arrive
-
-
-class GDNQLACore(_Core):
+class GDNQLACore:
     """Gated DeltaNet on flash-qla: one log-decay per head (``g`` ``[1, T, HV]``), cumsummed in fp32."""
     fused = True                 # output and backward_rest run their own passes: a pass only for what leaves
 
@@ -117,16 +77,14 @@ class GDNQLACore(_Core):
         A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
         return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, l2, live=live)
 
-    def cut(self, P: Prepared, lo, hi, *xs):
-        a, b, cu = _cu(P.plan, lo, hi, str(xs[0].device))
-        return [x[:, a:b] for x in xs], cu
-
     def _range(self, P, lo, hi):
+        """(q, k, v, A, g, beta) on the tokens of segments [lo, hi), and the range's cu_seqlens."""
         q, k, v, g, beta, _, _, A = P.saved
-        return self.cut(P, lo, hi, q, k, v, A, g, beta)
+        a, b, cu = _cu(P.plan, lo, hi, str(q.device))
+        return [x[:, a:b] for x in (q, k, v, A, g, beta)], cu
 
     def states(self, P: Prepared, h0) -> States:
-        return States(h0)
+        return States(h0)           # the fused forward runs each segment from its initial state
 
     def state(self, P: Prepared, st: States, segs, h0):
         """Final states of ``segs`` (rows of the others undefined): a pass over the segments whose
@@ -161,9 +119,7 @@ class GDNQLACore(_Core):
     def maps(self, P, segs):
         """[H | M] fp32 of ``segs`` from two of flash-qla's state passes over the range that covers them
         (the recurrence is affine in (S, v)): H from zero states with the values, M from identity
-        states without them. Against fla's CP pre-process on fla's WY form (3xTF32), one H200, GDN,
-        H = 16, 32k tokens: no error added (5.9e-3 against fla's uncut step, as the uncut qla step,
-        with 8 or 64 parts), and 1.4-1.55x faster a cut step at CP = 2 (fewer, fused launches)."""
+        states without them."""
         lo, hi = _cover(segs)
         (_, k, v, A, g, beta), cu = self._range(P, lo, hi)
         n, HV, K = hi - lo, v.shape[2], k.shape[3]
@@ -181,7 +137,7 @@ class GDNQLACore(_Core):
         do = do[:, slice(*P.plan.token_range(lo, hi))]
         h, _, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0, output_final_state=False,
                                          output_h=True, cu_seqlens=cu)
-        return Backward(lo, hi, (q, k, v, g, beta, A, do, h))
+        return Backward(lo, hi, (q, k, v, g, beta, A, do, h))      # dht: set by backward_state
 
     def backward_state(self, P: Prepared, B: Backward, segs, dht):
         """Initial-state gradients of ``segs`` (rows of the others undefined): a pass over the
@@ -220,9 +176,15 @@ class GDNQLACore(_Core):
             dq, dk = _kernels().l2norm_bwd(q, qr, dq), _kernels().l2norm_bwd(k, kr, dk)
         return dq, dk, dv, dg, db
 
+    def single_device(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                      cu_seqlens_cpu):
+        # fla's call, which hands GDN to flash-qla's own (with its intra-GPU split) where installed
+        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_seqlens_cpu)
+
 
 def core(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> GDNQLACore:
+    """flash-qla's GDN core, after the environment check for this problem."""
     check_qla(device, dtype, kda, head_dims)
-    from megatron_kcp.ops import core_fla
-    core_fla._checked(device.index if device.index is not None else torch.cuda.current_device())  # fla's l2norm
     return GDNQLACore()

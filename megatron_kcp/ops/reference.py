@@ -39,7 +39,7 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     return q * scale, k, v, g, beta
 
 
-def _split(cu_seqlens, B, T):
+def _sequences(cu_seqlens, B, T):
     if cu_seqlens is None:
         return [(b, 0, T) for b in range(B)]
     if B != 1:
@@ -55,7 +55,7 @@ def _over_sequences(seq_fn, q, k, v, g, beta, scale, initial_state, output_final
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     B, T, HV, K = k.shape
     o, finals = [], []
-    for n, (b, s, e) in enumerate(_split(cu_seqlens, B, T)):
+    for n, (b, s, e) in enumerate(_sequences(cu_seqlens, B, T)):
         S = v.new_zeros(HV, K, v.shape[-1]) if initial_state is None else initial_state[n].to(v.dtype)
         on, S = seq_fn(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], S)
         o.append(on)
@@ -74,7 +74,7 @@ def _recurrent_seq(q, k, v, g, beta, S):
     return torch.stack(out), S
 
 
-def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+def recurrent_gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm=False, cu_seqlens=None):
     """Token-by-token recurrence: the oracle for everything else."""
     return _over_sequences(_recurrent_seq, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -107,7 +107,7 @@ def _chunk_seq(q, k, v, g, beta, S, chunk_size):
     return torch.cat(out, 1).transpose(0, 1), S
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+def chunk_gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm=False, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     """Chunked (WY) form, chunks never crossing a sequence; same contract as the naive oracle."""
     return _over_sequences(lambda *x: _chunk_seq(*x, chunk_size), q, k, v, g, beta, scale, initial_state,
@@ -124,6 +124,6 @@ def affine_state_map(k, g, beta, v, use_qk_l2norm=False, chunk_size=CHUNK_SIZE):
     vz = v.to(torch.float64)
     vz = torch.cat([vz, vz.new_zeros(1, T, HV, K)], -1)
     S0 = torch.cat([vz.new_zeros(HV, K, v.shape[-1]), torch.eye(K, dtype=vz.dtype, device=v.device).expand(HV, K, K)], -1)
-    _, S = chunk_gated_delta_rule(k, k, vz, g, beta, initial_state=S0[None], output_final_state=True,
+    _, S = chunk_gated_delta_rule_fp64(k, k, vz, g, beta, initial_state=S0[None], output_final_state=True,
                                   use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     return S[0]

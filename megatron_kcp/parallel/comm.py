@@ -1,4 +1,5 @@
-"""The collectives KCP issues: an all-gather, a reduce-scatter and point-to-point sends.
+"""The collectives KCP issues: all-gather, reduce-scatter, point-to-point sends, the all-to-all
+and the sequence all-gather (both with their adjoints as autograd Functions).
 
 gloo cannot move CUDA tensors point to point (and the tests run gloo with ranks sharing a GPU),
 so on gloo CUDA tensors travel through host memory; NCCL takes them as they are.
@@ -74,3 +75,42 @@ class Pending:
             work.wait()
             if buf is not t:
                 t.copy_(buf)
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal blocks of ``x`` along dim 0, block j to rank j; returns the blocks received, in rank order."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """:func:`all_to_all`; the exchange is its own adjoint, so backward sends the gradient through it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all(dy, ctx.group), None
+
+
+class AllGatherSeq(torch.autograd.Function):
+    """``[W * n, ...]``: every rank's ``[n, ...]`` along dim 0; backward reduce-scatters the gradient,
+    so each rank gets the sum of every rank's gradient of its rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None

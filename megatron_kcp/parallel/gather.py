@@ -7,7 +7,7 @@ fla's CP pre-process). After the all-gather every receiving segment folds the sl
 before it, ``S = M_j S + H_j`` from the sequence start, and the local pass runs once. Backward is
 the mirror image with ``[dH | M^T]``: dH from a state-gradient pass with a zero final-state
 gradient, M^T from the forward's M. All ranks work at once, so the price is the M pass, not
-latency: the strategy for many ranks. On a ``split`` plan it also chains the parts of a rank's
+latency: the strategy for many ranks. On a plan with ``max_segment`` it also chains the parts of a rank's
 own long segments, so their passes run side by side.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from megatron_kcp.parallel.comm import all_gather
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
+from megatron_kcp.parallel.strategy import StateExchange
 
 
 def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
@@ -25,7 +26,7 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     in the backward), so each sequence is folded once, along its longest chain, and every chain takes
     the state after its last source. All sequences step together, longest first, so the live ones
     are a prefix: one batched product a step, at most 2W - 1 steps whatever the number of documents
-    (more on a ``split`` plan), and no gather at all where one sequence is live. Products in full
+    (more where ``max_segment`` cut the segments), and no gather at all where one sequence is live. Products in full
     fp32 (no TF32: the chains carry state across the whole sequence)."""
     if not chains:
         return
@@ -68,7 +69,7 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     out.index_copy_(0, ix(segs), parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
-class AllGather:
+class AllGather(StateExchange):
     name = "gather"
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
@@ -125,7 +126,7 @@ class AllGather:
 
 
 def _all_gather(buf, plan: KCPPlan, group):
-    """The exchange buffer of every rank; a rank alone (a ``split`` plan at CP = 1) folds its own."""
+    """The exchange buffer of every rank; a rank alone (``max_segment`` at CP = 1) folds its own."""
     return buf[None] if plan.world_size == 1 else all_gather(buf, group)
 
 

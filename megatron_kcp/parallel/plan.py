@@ -74,7 +74,7 @@ class KCPPlan:
     num_slots_bwd: int
     conv_kernel_size: int
     halo_src: tuple[tuple[int, int, int], ...]      # per halo row: (rank, piece, tail row) or (-1, 0, 0) = zero
-    max_segment: int = 0                            # segments cut to at most this many tokens (0: not cut)
+    max_segment: int = 0                            # segments split into parts of at most this many tokens (0: not)
 
     @property
     def num_pieces(self) -> int:
@@ -219,7 +219,7 @@ def layout_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int) 
 def _segments(pieces, cu, max_segment=0):
     """Local segments: (global start, global end, global sequence), cut at sequence starts and at
     piece edges, except between local pieces that are neighbours in the global stream; then, with
-    ``max_segment``, each into parts of that many tokens from its start (the last one shorter)."""
+    ``max_segment``, each split into parts of that many tokens from its start (the last one shorter)."""
     segs = []
     for s, e in pieces:
         n = bisect.bisect_right(cu, s) - 1
@@ -236,16 +236,30 @@ def _segments(pieces, cu, max_segment=0):
 
 
 @functools.lru_cache(maxsize=32)
-def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: int,
-               conv_kernel_size: int = 1, max_segment: int = 0) -> KCPPlan:
-    """The KCP plan of ``rank``; cached on its (hashable) arguments (``max_segment``: see ``split``)."""
+def all_plans(cu_seqlens: tuple[int, ...], layout: str, world_size: int, conv_kernel_size: int = 1,
+              max_segment: int = 0) -> tuple[KCPPlan, ...]:
+    """Every rank's plan of this layout, built once (cached on the hashable arguments): what a decision
+    all ranks must share (strategy, kernels) reads, and what one rank's plan is taken from.
+    ``max_segment``: see :func:`split_segments`."""
     cu = check_cu_seqlens(cu_seqlens)
     if max_segment < 0:
         raise ValueError(f"max_segment must be >= 0 (0: segments not cut), got {max_segment}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"CP rank {rank} is outside the CP group of size {world_size}")
+    if world_size < 1:
+        raise ValueError(f"the CP size must be >= 1, got {world_size}")
     if conv_kernel_size < 1:
         raise ValueError(f"conv kernel size must be >= 1, got {conv_kernel_size}")
+    return _build(cu, layout, world_size, conv_kernel_size, max_segment)
+
+
+def build_plan(cu_seqlens, layout: str, world_size: int, rank: int, conv_kernel_size: int = 1,
+               max_segment: int = 0) -> KCPPlan:
+    """The KCP plan of ``rank`` (one of :func:`all_plans`)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"CP rank {rank} is outside the CP group of size {world_size}")
+    return all_plans(check_cu_seqlens(cu_seqlens), layout, world_size, conv_kernel_size, max_segment)[rank]
+
+
+def _build(cu, layout, world_size, conv_kernel_size, max_segment) -> tuple[KCPPlan, ...]:
     W = world_size
     all_pieces = [layout_pieces(layout, cu, W, r) for r in range(W)]
     all_segs = [_segments(p, cu, max_segment) for p in all_pieces]
@@ -268,12 +282,22 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
     slot_fwd = [{i: k for k, i in enumerate(i for i in range(len(all_segs[r])) if succ[(r, i)])} for r in range(W)]
     slot_bwd = [{i: k for k, i in enumerate(i for i in range(len(all_segs[r])) if pred[(r, i)])} for r in range(W)]
 
-    segs = all_segs[rank]
+    order = sorted((s, e, r, p) for r in range(W) for p, (s, e) in enumerate(all_pieces[r]))
+    starts = [o[0] for o in order]
+    chains = {n: [(r, j) for _, r, j in lst] for n, lst in by_seq.items()}
+    return tuple(_rank_plan(cu, layout, W, rank, conv_kernel_size, max_segment, all_pieces[rank], all_segs[rank],
+                            chains, pred, succ, stage, nstage, slot_fwd, slot_bwd, order, starts)
+                 for rank in range(W))
+
+
+def _rank_plan(cu, layout, W, rank, conv_kernel_size, max_segment, pieces, segs, chains, pred, succ, stage, nstage,
+               slot_fwd, slot_bwd, order, starts) -> KCPPlan:
+    """One rank's plan from what every rank's shares (each sequence's chain of (rank, segment) links)."""
     me = [(rank, i) for i in range(len(segs))]
     recv_fwd, recv_bwd = [], []
     for i, link in enumerate(me):
         n = segs[i][2]
-        chain = [(r, j) for _, r, j in sorted(by_seq[n])]
+        chain = chains[n]
         before, after = chain[:stage[link]], chain[stage[link] + 1:]
         if before:
             recv_fwd.append(Chain(i, n, tuple((r, slot_fwd[r][j]) for r, j in before)))
@@ -281,9 +305,6 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
             recv_bwd.append(Chain(i, n, tuple((r, slot_bwd[r][j]) for r, j in reversed(after))))
 
     # conv halo: the kernel_size-1 tokens before each piece, from the tails of earlier pieces
-    order = sorted((s, e, r, p) for r in range(W) for p, (s, e) in enumerate(all_pieces[r]))
-    starts = [o[0] for o in order]
-    pieces = all_pieces[rank]
     halo = []
     hl = conv_kernel_size - 1
     for s, _ in pieces:
@@ -310,12 +331,12 @@ def build_plan(cu_seqlens: tuple[int, ...], layout: str, world_size: int, rank: 
     )
 
 
-def split(plan: KCPPlan, max_segment: int) -> KCPPlan:
-    """The same layout with every segment cut into parts of at most ``max_segment`` tokens, linked
+def split_segments(plan: KCPPlan, max_segment: int) -> KCPPlan:
+    """The same layout with every local segment cut into parts of at most ``max_segment`` tokens, linked
     along their sequence as pieces on other ranks are. Under the all-gather every part's map runs at
     once and the fold chains them locally: parallel work where a rank holds a few long segments and
     a kernel runs one program per segment and head (few heads). For the gated delta rule only: the
-    conv's halo follows the pieces, and ``causal_conv1d`` refuses a cut plan."""
+    conv's halo follows the pieces, and ``causal_conv1d`` refuses a plan with ``max_segment``."""
     return build_plan(plan.global_cu_seqlens, plan.layout, plan.world_size, plan.rank, plan.conv_kernel_size,
                       max_segment)
 

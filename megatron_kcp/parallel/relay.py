@@ -24,6 +24,7 @@ import torch
 
 from megatron_kcp.parallel.comm import P2P
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
+from megatron_kcp.parallel.strategy import StateExchange
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,12 @@ class Phase:
     recv: tuple[int, ...]        # segments whose incoming state (gradient) arrives in this phase
     send: tuple[int, ...]        # segments whose outgoing state (gradient) leaves in this phase
     segs: tuple[int, ...]        # segments whose state (gradient) pass runs in this phase, sorted
-    span: tuple[int, int] | None  # split mode: the range [lo, hi) = segs that the phase runs whole
+    span: tuple[int, int] | None  # disjoint mode: the range [lo, hi) = segs that the phase runs whole
 
 
 @functools.lru_cache(maxsize=64)
 def phases(plan: KCPPlan, backward: bool) -> tuple[Phase, ...]:
-    """The phases in execution order: see the module docstring (split mode: every phase has a span)."""
+    """The phases in execution order: see the module docstring (disjoint mode: every phase has a span)."""
     n = plan.num_segments
     before, after = (plan.succ, plan.pred) if backward else (plan.pred, plan.succ)
     key = {}
@@ -99,7 +100,7 @@ def _send(p2p: P2P, segs, links, rows: torch.Tensor, ph: Phase) -> None:
     p2p.send(out)
 
 
-class Relay:
+class Relay(StateExchange):
     name = "relay"
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
@@ -116,7 +117,7 @@ class Relay:
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, _=None):
         """(input gradients of the local stream, dh0 where a sequence starts). Each phase prepares what does
-        not need the incoming state gradient while that is on its way (split mode), or the whole
+        not need the incoming state gradient while that is on its way (disjoint mode), or the whole
         stream is prepared first (interleaved)."""
         steps = phases(plan, backward=True)
         p2p, outs, n = P2P(group), [], plan.num_segments

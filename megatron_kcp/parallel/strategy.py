@@ -1,70 +1,61 @@
-"""Which exchange a plan uses: relay (latency: state passes in sequence) or all-gather (work: the
-transition maps). ``choose`` is the cost model; ``KCP_STRATEGY=relay|gather`` overrides it.
+"""The base of the exchange strategies: how one CP step gets across ranks what a rank's shard needs.
 
-Where no rank holds a segment that continues its sequence both ways, the all-gather needs no
-transition map (every export is a true state) and every rank exports and folds at once: it is
-taken. Elsewhere ``costs`` weighs, per direction, the relay's longest chain (the state passes of a
-sequence's pieces before its last, one after another, and a message per hop) against the
-all-gather's slowest rank (a map pass over each segment that continues both ways, a state pass
-over each that only exports) plus the ring all-gather of the exchange slots. Fitted to the
-one-GPU predictions of W = 2 to 64 (``simulate.py`` on one H200, GDN at 32k and 256k tokens, KDA
-at 32k and 128k, H = 64, every layout, one sequence and 10 documents; BENCHMARKS.md): it takes the
-faster strategy, or one within 5% of it, in 73 of 78 cases (the rule before it, relay up to
-W = 4: 63), and loses at most 17%, in per-document zigzag at W >= 8, where both run at
-efficiency <= 0.04. The choice moves with the map pass's cost (``MAP_PASS``, 4.4 state passes,
-``kernel_costs.py``), hardly with the state pass's (any of 2e-8 to 8e-8 s per token).
+A strategy runs the gated delta rule of this rank's shard of the packed stream, given a local core
+(:class:`megatron_kcp.parallel.core.LocalCore`). Two families:
+
+* :class:`StateExchange`: the sequence stays sharded and fp32 states (or their affine maps) cross
+  ranks; the subclass says in ``forward`` / ``backward`` what moves when, and
+  :class:`megatron_kcp.parallel.step.KCPStep` makes it one autograd step
+  (``relay.Relay``, ``gather.AllGather``).
+* a strategy that moves the inputs instead and runs the core's single-device call
+  (``cp2hp.CP2HP``: all-to-all to head shards; ``single.SingleDevice``: nothing to move).
+
+A new strategy is one file with one subclass; ``megatron_kcp.ops.dispatch.STRATEGIES`` names it.
 """
 from __future__ import annotations
 
-import functools
-import os
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
-from megatron_kcp.parallel.plan import KCPPlan, build_plan
+import torch
 
-STRATEGIES = ("auto", "relay", "gather")
-STATE_PASS = 4e-8     # s per token of a state pass (fla, H200, H = 64: 0.65 ms for 16k tokens)
-MAP_PASS = 4.4        # a transition-map pass against a state pass over the same tokens
-ALPHA, BW = 60e-6, 332e9   # the 2 x H200 NVLink fit (s per message, bytes / s)
-
-
-@functools.lru_cache(maxsize=64)
-def needs_maps(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> bool:
-    """Whether some rank holds a segment that continues its sequence both ways. Computed from what
-    every rank shares (the global cu_seqlens, layout and W), so that all ranks choose alike."""
-    for r in range(world_size):
-        p = build_plan(cu_seqlens, layout, world_size, r)
-        if any(a and b for a, b in zip(p.pred, p.succ)):
-            return True
-    return False
+from megatron_kcp.parallel.core import LocalCore, Prepared
+from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.parallel.step import KCPStep
 
 
-@functools.lru_cache(maxsize=256)
-def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int = 64,
-          head_dim: int = 128) -> tuple[float, float]:
-    """Modelled seconds per direction that (relay, all-gather) add to a step, from what every rank shares."""
-    plans = [build_plan(cu_seqlens, layout, world_size, r) for r in range(world_size)]
-    pieces, gather = {}, 0.0
-    for p in plans:
-        work = 0.0
-        for i, n in enumerate(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])):
-            pieces.setdefault(p.seg_seq[i], []).append((p.stage[i], n))
-            if p.succ[i] is not None:
-                work += (MAP_PASS if p.pred[i] is not None else 1.0) * STATE_PASS * n
-        gather = max(gather, work)
-    slot = heads * head_dim * 2 * head_dim * 4             # fp32 [H, K, V + K]
-    gather += (world_size - 1) * (ALPHA + plans[0].num_slots_fwd * slot / BW)
-    relay = max(sum(n for _, n in sorted(c)[:-1]) * STATE_PASS + (len(c) - 1) * ALPHA for c in pieces.values())
-    return relay, gather
+class ExchangeStrategy(ABC):
+    name: ClassVar[str]
+
+    def check(self, q: torch.Tensor, v: torch.Tensor, plan: KCPPlan, initial_state: torch.Tensor | None) -> None:
+        """ValueError naming the fix where this strategy cannot run the problem (before any kernel)."""
+
+    @abstractmethod
+    def apply(self, core: LocalCore, q, k, v, g, beta, plan: KCPPlan, group, *, scale: float,
+              initial_state: torch.Tensor | None, use_qk_l2norm: bool) -> torch.Tensor:
+        """o ``[1, T, HV, V]`` of this rank's shard, equal to the single-device run forward and backward.
+
+        Args:
+            q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; g: ``[1, T, HV]`` (GDN) or ``[1, T, HV, K]``
+                (KDA), natural-log decay; beta: ``[1, T, HV]``; T: this rank's tokens.
+            plan: this rank's plan; group: the CP process group.
+            initial_state: ``[N, HV, K, V]``, one per global sequence, or None.
+        """
 
 
-def choose(plan: KCPPlan, heads: int = 64) -> str:
-    forced = os.environ.get("KCP_STRATEGY")
-    if forced:
-        if forced not in STRATEGIES[1:]:
-            raise ValueError(f"KCP_STRATEGY={forced!r}: use relay or gather (or unset it for the cost model)")
-        return forced
-    cu, layout, W = plan.global_cu_seqlens, plan.layout, plan.world_size
-    if not needs_maps(cu, layout, W):
-        return "gather"
-    relay, gather = costs(cu, layout, W, heads)
-    return "relay" if relay <= gather else "gather"
+class StateExchange(ExchangeStrategy):
+    """Sequence-sharded: the core's passes run where the tokens are, and states cross ranks."""
+
+    def apply(self, core, q, k, v, g, beta, plan, group, *, scale, initial_state, use_qk_l2norm):
+        return KCPStep.apply(q, k, v, g, beta, initial_state, plan, group, scale, use_qk_l2norm, core, self)
+
+    @abstractmethod
+    def forward(self, core: LocalCore, P: Prepared, plan: KCPPlan, group, h0: torch.Tensor):
+        """(o of the local stream, what the backward needs besides ``P`` or None). Fills ``h0`` (every
+        local segment's initial state, fp32; the user's where a sequence starts) as states arrive."""
+
+    @abstractmethod
+    def backward(self, core: LocalCore, P: Prepared, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor,
+                 extra) -> tuple[tuple, torch.Tensor]:
+        """(gradients of the prepared q, k, v, g, beta; initial-state gradients ``[segments, HV, K, V]``,
+        rows set where a segment starts its sequence)."""

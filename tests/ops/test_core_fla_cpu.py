@@ -11,6 +11,7 @@ import itertools
 import pytest
 
 from megatron_kcp.ops import core_fla
+from megatron_kcp.parallel.core import Prepared
 from megatron_kcp.parallel.plan import build_plan
 
 CU = (0, 100, 164, 165, 300, 301, 500, 620, 640, 900)
@@ -47,15 +48,15 @@ def test_selection_walks_exactly_the_chosen_segments(lo, hi):
             assert (sel.rows is None) == (runs == 1)
 
 
-def test_split_skips_state_rows_nobody_needs():
+def test_passes_skip_state_rows_nobody_needs():
     plan = build_plan(CU, "contiguous", 2, 0, 1)
     n = plan.num_segments
-    P = core_fla.Prepared((), plan, 1.0, False, live=frozenset())
-    rows, free = core_fla._split(P, range(n))
+    P = Prepared((), plan, 1.0, False, live=frozenset())
+    rows, free = core_fla._by_state_rows(P, range(n))
     # rank 0 of two: only the segment its sequence continues from on rank 1 hands a state on
     assert rows == tuple(i for i in range(n) if plan.succ[i] is not None) and len(rows) == 1
     assert set(rows) | set(free) == set(range(n)) and not set(rows) & set(free)
     P.live = frozenset({0})
-    assert core_fla._split(P, range(n))[0] == tuple(sorted({0, *rows}))
+    assert core_fla._by_state_rows(P, range(n))[0] == tuple(sorted({0, *rows}))
     P.live = None                              # unknown: every segment reads and writes its rows
-    assert core_fla._split(P, range(n)) == (tuple(range(n)), ())
+    assert core_fla._by_state_rows(P, range(n)) == (tuple(range(n)), ())

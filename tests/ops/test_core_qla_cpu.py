@@ -1,5 +1,5 @@
-"""CPU: the qla core's logic over flash-qla's kernel contracts (``tests/ops/qla_contracts.py``), and
-which core and exchange ``kcp.kernels`` picks.
+"""CPU: the qla core's logic over flash-qla's kernel contracts (``megatron_kcp/testing/qla_contracts.py``),
+and which core and strategy ``dispatch.decide`` picks.
 
 The qla core runs a pass only over the segments whose state (gradient) leaves, feeds the fused
 kernels each segment's initial state and final-state gradient, and reduces grouped heads: on CPU
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.ops import core_qla, kcp
+from megatron_kcp import environment
+from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
@@ -29,24 +30,29 @@ def _qkvg(dtype=torch.bfloat16, K=128, kda=False):
     return q, v, g
 
 
-def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
-    zig, con = build_plan(CU, "zigzag", 2, 1, 4), build_plan(CU, "contiguous", 2, 1, 4)
+def pick(plan, backend, strategy="auto", max_segment=None):
     q, v, g = _qkvg()
-    assert kcp.kernels("auto", q, v, g, zig) == ("reference", "relay", 0)
+    d = dispatch.decide(plan, q, v, g, backend, strategy, max_segment)
+    return d.core, d.strategy, d.max_segment
+
+
+def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
+    zig, con = build_plan(CU, "zigzag", 2, 1, 4), build_plan(CU, "contiguous", 2, 1, 4)
+    assert pick(zig, "auto") == ("reference", "relay", 0)
     # zigzag's middle pieces continue their sequence both ways: the all-gather would need (fla's) maps
-    assert kcp.kernels("qla", q, v, g, zig, max_segment=0) == ("qla", "relay", 0)
-    assert kcp.kernels("qla", q, v, g, zig, "relay") == ("qla", "relay", 0)
-    assert kcp.kernels("qla", q, v, g, zig, "gather", 0) == ("qla", "gather", 0)
-    assert kcp.kernels("qla", q, v, g, con, max_segment=0) == ("qla", "gather", 0)    # no maps needed
-    assert kcp.kernels("fla", q, v, g, zig, "gather") == ("fla", "gather", 0)
-    # cut where asked (the pick cuts only where the work is large: below)
-    assert kcp.kernels("qla", q, v, g, zig, max_segment=64) == ("qla", "gather", 64)
-    assert kcp.kernels("qla", q, v, g, zig) == ("qla", "relay", 0)
-    assert kcp.kernels("auto", q, v, g, zig, max_segment=128) == ("reference", "gather", 128)
+    assert pick(zig, "qla", max_segment=0) == ("qla", "relay", 0)
+    assert pick(zig, "qla", "relay") == ("qla", "relay", 0)
+    assert pick(zig, "qla", "gather", 0) == ("qla", "gather", 0)
+    assert pick(con, "qla", max_segment=0) == ("qla", "gather", 0)    # no maps needed
+    assert pick(zig, "fla", "gather") == ("fla", "gather", 0)
+    # split where asked (the pick splits only where the work is large: below)
+    assert pick(zig, "qla", max_segment=64) == ("qla", "gather", 64)
+    assert pick(zig, "qla") == ("qla", "relay", 0)
+    assert pick(zig, "auto", max_segment=128) == ("reference", "gather", 128)
     with pytest.raises(ValueError, match="strategy='gather'"):
-        kcp.kernels("qla", q, v, g, zig, "relay", 128)
+        pick(zig, "qla", "relay", 128)
     with pytest.raises(ValueError, match="unknown KCP backend"):
-        kcp.kernels("flashqla", q, v, g, zig)
+        pick(zig, "flashqla")
 
 
 @pytest.mark.parametrize("docs,layout,tokens,W,heads,cut", [
@@ -55,13 +61,13 @@ def test_kernels_pick_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
     ("single", "contiguous", 32768, 2, 16, 4096), ("single", "zigzag", 32768, 2, 16, 4096),
     ("single", "contiguous", 32768, 4, 16, 0), ("single", "contiguous", 32768, 1, 64, 0),
     ("varlen", "contiguous", 65536, 2, 16, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
-def test_qla_cuts_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
-    """The one-H200 crossovers (``kcp.qla_split``): one segment of 16k or more tokens a rank at 16 heads is cut
+def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
+    """The one-H200 crossovers (``dispatch.qla_max_segment``): one segment of 16k or more tokens a rank at 16 heads is split
     into parts of at least 4096 tokens that give a rank 128 scans; 8k a rank is bound by the host's launches, and
     documents, or 64 heads, give qla enough scans without a cut."""
     from benchmarks.common import cu_seqlens
     plan = build_plan(cu_seqlens(docs, tokens, pad=4), layout, W, 0, 4)
-    assert kcp.qla_split(plan, heads) == cut
+    assert dispatch.qla_max_segment(plan, heads) == cut
 
 
 @pytest.mark.parametrize("docs,layout,heads,worth", [
@@ -74,7 +80,7 @@ def test_auto_takes_qla_where_it_measured_faster(docs, layout, heads, worth):
     scans latency-bound; documents or 64 heads do not; 200 interleaved segments a rank cost its covering passes."""
     from benchmarks.common import cu_seqlens
     plan = build_plan(cu_seqlens(docs, 32768, pad=4), layout, 2, 0, 4)
-    assert kcp.qla_worth(plan, heads) is worth
+    assert dispatch.qla_worth(plan, heads) is worth
 
 
 @pytest.mark.parametrize("case,match", [
@@ -83,8 +89,8 @@ def test_auto_takes_qla_where_it_measured_faster(docs, layout, heads, worth):
 def test_qla_refuses_what_it_cannot_run(case, match):
     q, v, g = _qkvg(**case)
     with pytest.raises((ValueError, RuntimeError), match=match):
-        core_qla.check_qla(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
-    assert not kcp.qla_runs(q, v, g)
+        environment.check_qla(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
+    assert not environment.qla_runs(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
 
 
 def _qla_cases(layouts):

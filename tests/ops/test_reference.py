@@ -20,7 +20,7 @@ def test_chunk_equals_naive(kda, l2, gva):
     do = torch.randn(1, 200, xs[2].shape[2], 8, generator=gen, dtype=torch.float64)
     dht = torch.randn(3, *xs[5].shape[1:], generator=gen, dtype=torch.float64)
     outs = []
-    for fn in (R.naive_recurrent_gated_delta_rule, R.chunk_gated_delta_rule):
+    for fn in (R.recurrent_gated_delta_rule_fp64, R.chunk_gated_delta_rule_fp64):
         o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=l2,
                    cu_seqlens=torch.tensor(cu))
         outs.append([o, ht, *torch.autograd.grad((o, ht), xs, (do, dht))])
@@ -31,9 +31,9 @@ def test_chunk_equals_naive(kda, l2, gva):
 def test_batched_equals_varlen():
     gen = torch.Generator().manual_seed(3)
     xs = random_inputs(gen, 2 * 70, 2, 2, 2, 8, 8, kda=True)
-    o_var, _ = R.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=torch.tensor([0, 70, 140]))
+    o_var, _ = R.chunk_gated_delta_rule_fp64(*xs[:5], initial_state=xs[5], cu_seqlens=torch.tensor([0, 70, 140]))
     batched = [x.view(2, 70, *x.shape[2:]) for x in xs[:5]]
-    o_b, _ = R.chunk_gated_delta_rule(*batched, initial_state=xs[5])
+    o_b, _ = R.chunk_gated_delta_rule_fp64(*batched, initial_state=xs[5])
     assert rel_err(o_b.reshape(o_var.shape), o_var) < 1e-6
 
 
@@ -41,7 +41,7 @@ def test_affine_state_map():
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, h0 = random_inputs(gen, 130, 1, 2, 2, 16, 8, kda=True, dtype=torch.float64)
     hm = R.affine_state_map(k, g, beta, v)
-    _, ht = R.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    _, ht = R.chunk_gated_delta_rule_fp64(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert rel_err(hm[..., 8:] @ h0[0] + hm[..., :8], ht[0]) < 1e-10
 
 
@@ -53,7 +53,7 @@ def test_cp1_equals_reference(kda):
     xs = [x.requires_grad_() for x in random_inputs(gen, 96, 3, 2, 2, 8, 8, kda=kda)]
     plan = build_plan(cu, "contiguous", 1, 0, 4)
     o = kcp.gated_delta_rule(*xs[:5], plan, initial_state=xs[5], backend="reference")
-    o_ref, _ = R.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=torch.tensor(cu))
+    o_ref, _ = R.chunk_gated_delta_rule_fp64(*xs[:5], initial_state=xs[5], cu_seqlens=torch.tensor(cu))
     do = torch.randn_like(o)
     for a, b in zip(torch.autograd.grad(o, xs, do), torch.autograd.grad(o_ref, xs, do)):
         assert rel_err(a, b) < 1e-6

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.ops import conv_reference, kcp
+from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.ops import reference as R
+from megatron_kcp.parallel import halo
+from megatron_kcp.parallel.strategy import StateExchange
 from megatron_kcp.parallel.plan import LAYOUTS
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, random_inputs, shard
@@ -30,7 +32,7 @@ def _compare(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference",
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(1, cu[-1], *xs[2].shape[2:], generator=gen)
     ref = [x.clone().requires_grad_() for x in xs + ([h0] if h0 is not None else [])]
-    o_ref, _ = R.chunk_gated_delta_rule(*ref[:5], initial_state=ref[5] if h0 is not None else None,
+    o_ref, _ = R.chunk_gated_delta_rule_fp64(*ref[:5], initial_state=ref[5] if h0 is not None else None,
                                         use_qk_l2norm=l2, cu_seqlens=torch.tensor(cu))
     ref_grads = torch.autograd.grad(o_ref, ref, do)
     plan = plan_for(cu, layout, W, r)
@@ -101,10 +103,10 @@ def test_kcp_matches_single_process(layout, world_size):
     spawn(_random_cases, world_size, layout, [world_size * 10])
 
 
-class NoExchange:
+class NoExchange(StateExchange):
     """Every piece from a zero state (the user's where a sequence starts) and no state gradient from
     later pieces: KCP with its exchange switched off."""
-    name = "none"
+    name = "off"
 
     def forward(self, core, P, plan, group, h0):
         n, st = plan.num_segments, core.states(P, h0)
@@ -118,15 +120,14 @@ class NoExchange:
         return core.backward_rest(P, B), dh0
 
 
-def _exchange_off():
-    """Swap in NoExchange for the relay and a zero conv halo (restored by the returned callable)."""
-    relay, halo = kcp.Relay, conv_reference.HaloExchange.apply
-    kcp.Relay = NoExchange
-    conv_reference.HaloExchange.apply = lambda x, plan, group: x.new_zeros(plan.num_pieces * plan.halo_len,
-                                                                           x.shape[1])
+def _exchange_off(name="relay"):
+    """Swap in NoExchange for the strategy ``name`` and a zero conv halo (restored by the returned callable)."""
+    strategy, exchange = dispatch.STRATEGIES[name], halo.halo
+    dispatch.STRATEGIES[name] = NoExchange()
+    halo.halo = lambda x, plan, group: x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1])
 
     def restore():
-        kcp.Relay, conv_reference.HaloExchange.apply = relay, halo
+        dispatch.STRATEGIES[name], halo.halo = strategy, exchange
     return restore
 
 
@@ -189,12 +190,11 @@ def _split_cases(layouts, backend="reference"):
         xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)
         errs = _compare(cu, xs, None, layout, "gather", True, group, W, backend, 24)
         assert max(errs.values()) <= TOL, f"{backend} {layout} W={W} cut: {errs}"
-        gathers = kcp.AllGather
-        kcp.AllGather = NoExchange
+        restore = _exchange_off("gather")
         try:
             off = _compare(cu, xs, None, layout, "gather", True, group, W, backend, 24)
         finally:
-            kcp.AllGather = gathers
+            restore()
         weak = {k: v for k, v in off.items() if not v >= 10 * TOL}
         assert not weak, f"{backend} {layout} W={W} cut: without the exchange these still match: {weak}"
     # what cannot run on a cut plan fails before any kernel, naming the fix
@@ -204,10 +204,10 @@ def _split_cases(layouts, backend="reference"):
         kcp.gated_delta_rule(*loc, plan, group, backend=backend, strategy="relay", max_segment=24)
     with pytest.raises(ValueError, match="max_segment must be >= 0"):
         kcp.gated_delta_rule(*loc, plan, group, backend=backend, max_segment=-1)
-    from megatron_kcp.parallel.plan import split
+    from megatron_kcp.parallel.plan import split_segments
     x = torch.zeros(1, plan.num_local_tokens, 3)
-    with pytest.raises(ValueError, match="not one cut by max_segment"):
-        kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split(plan, 24), group=group, backend="reference")
+    with pytest.raises(ValueError, match="not one split by max_segment"):
+        kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split_segments(plan, 24), group=group, backend="reference")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -233,19 +233,19 @@ def _cp2hp_cases(layouts):
             errs = _compare(cu, xs, None, layout, "cp2hp", True, group, 2)
             assert max(errs.values()) <= TOL, f"cp2hp {layout} long memory kda={kda}: {errs}"
             if layout != "contiguous":       # the control: tokens left in rank order, not stream order
-                from megatron_kcp.parallel.cp2hp import CP2HP
-                init = CP2HP.__init__
+                from megatron_kcp.parallel import cp2hp
+                init = cp2hp.TokenOrder.__init__
 
                 def rank_order(self, *args):
                     init(self, *args)
                     self.inv = torch.arange(len(self.inv))
-                CP2HP.__init__ = rank_order
-                kcp._cp2hp.cache_clear()
+                cp2hp.TokenOrder.__init__ = rank_order
+                cp2hp.token_order.cache_clear()
                 try:
                     off = _compare(cu, xs, None, layout, "cp2hp", True, group, 2)
                 finally:
-                    CP2HP.__init__ = init
-                    kcp._cp2hp.cache_clear()
+                    cp2hp.TokenOrder.__init__ = init
+                    cp2hp.token_order.cache_clear()
                 assert min(off["o"], off["dq"], off["dk"]) >= 10 * TOL, f"cp2hp {layout}: misorder not seen: {off}"
     # what it cannot do fails before any exchange, naming the fix
     plan = plan_for((0, 8 * W), "zigzag", W, dist.get_rank(group))

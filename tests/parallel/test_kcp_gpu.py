@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.ops import kcp
+from megatron_kcp.environment import check_qla
+from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
@@ -127,12 +128,11 @@ def test_qla_matches_reference(heads):
     """The qla core (flash-qla's fused kernels, GDN, bf16) on one GPU against the fp64 reference core:
     every document of a random varlen batch, with and without the user's initial states, and grouped
     value heads."""
-    from megatron_kcp.ops import core_qla
     gen = torch.Generator().manual_seed(2)
     cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
     xs = random_inputs(gen, cu[-1], len(cu) - 1, *heads, K, V, False, dtype=torch.bfloat16, device="cuda")[:5]
     try:
-        core_qla.check_qla(xs[0].device, xs[0].dtype, False, (K, V))
+        check_qla(xs[0].device, xs[0].dtype, False, (K, V))
     except RuntimeError as e:
         pytest.skip(str(e))
     errs = _one_gpu_against_reference("qla", gen, cu, xs, heads[1])
@@ -144,7 +144,7 @@ def test_qla_matches_reference(heads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model", ["GDN", "GDN-grouped", "KDA"])
 def test_single_device_call_matches_reference(model, dtype):
-    """Without CP, ``auto`` on a GPU is fla's own chunk call (``kcp.single_device``: flash-qla's where fla
+    """Without CP, ``auto`` on a GPU is fla's own chunk call (strategy ``none``: flash-qla's where fla
     hands it GDN, as megatron-core's mixer gets), with and without the user's initial states, grouped
     value heads too: against the fp64 reference core on a random varlen batch."""
     kda, heads = model == "KDA", (2, 4) if model == "GDN-grouped" else (4, 4)
@@ -152,7 +152,7 @@ def test_single_device_call_matches_reference(model, dtype):
     cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
     xs = random_inputs(gen, cu[-1], len(cu) - 1, *heads, K, V, kda, dtype=dtype, device="cuda")[:5]
     plan = build_plan(cu, "contiguous", 1, 0, KS)
-    assert kcp.kernels("auto", xs[0], xs[2], xs[3], plan)[0] == "chunk"
+    assert dispatch.decide(plan, xs[0], xs[2], xs[3]) == dispatch.Dispatch("fla", "none", 0)
     errs = _one_gpu_against_reference("auto", gen, cu, xs, heads[1])
     print(f"single-device call vs reference {model} {dtype}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
           flush=True)
@@ -210,17 +210,16 @@ def test_conv_equal_segments_match_reference(world_size):
 
 @needs_gpu
 @pytest.mark.parametrize("backend,cut", [("qla", 192), ("qla", 100), ("fla", 192)])
-def test_cut_segments_match_reference(backend, cut):
-    """A plan cut into parts (``max_segment``: chunk-aligned, and not) on one GPU, GDN bf16: the parts'
-    maps (fla's CP pre-process, for the qla core on fla's WY form) folded by the all-gather, then the
-    core's passes from the folded states, against the fp64 reference core on the uncut plan."""
-    from megatron_kcp.ops import core_qla
+def test_split_segments_match_reference(backend, cut):
+    """Segments split into parts (``max_segment``: chunk-aligned, and not) on one GPU, GDN bf16: the
+    parts' maps folded by the all-gather, then the core's passes from the folded states, against the
+    fp64 reference core on the plan without the split."""
     gen = torch.Generator().manual_seed(4)
     cu = tuple(c * 16 for c in random_cu_seqlens(gen, "contiguous", 1, "random"))
     xs = random_inputs(gen, cu[-1], len(cu) - 1, 4, 4, K, V, False, dtype=torch.bfloat16, device="cuda")[:5]
     if backend == "qla":
         try:
-            core_qla.check_qla(xs[0].device, xs[0].dtype, False, (K, V))
+            check_qla(xs[0].device, xs[0].dtype, False, (K, V))
         except RuntimeError as e:
             pytest.skip(str(e))
     errs = _one_gpu_against_reference(backend, gen, cu, xs, 4, max_segment=cut)
@@ -248,7 +247,7 @@ def test_scattered_segments_match_whole_stream(kda):
     h0 = torch.randn(n, HV, K, V, generator=gen).cuda() * 0.1
     every, some = list(range(n)), [1, 2, 5, 8]
     rest = [i for i in every if i not in some]
-    full, parts = core.states(P), core.states(P)
+    full, parts = core.states(P, h0), core.states(P, h0)
     ht = core.state(P, full, every, h0)
     ht_some = core.state(P, parts, some, h0)
     core.state(P, parts, rest, h0)
@@ -271,7 +270,7 @@ def test_scattered_segments_match_whole_stream(kda):
     rows = torch.tensor(some, device="cuda")
     h0z, dhtz = torch.zeros_like(h0), torch.zeros_like(dht)
     h0z[rows], dhtz[rows] = h0[rows], dht[rows]
-    ref, skip = core.states(P), core.states(Pl)
+    ref, skip = core.states(P, h0z), core.states(Pl, h0z)
     ht_ref, ht_skip = core.state(P, ref, every, h0z), core.state(Pl, skip, every, h0z)
     Br, Bs = core.backward_prepare(P, 0, n, h0z, do), core.backward_prepare(Pl, 0, n, h0z, do)
     d_ref, d_skip = core.backward_state(P, Br, every, dhtz), core.backward_state(Pl, Bs, every, dhtz)

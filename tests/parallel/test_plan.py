@@ -104,9 +104,9 @@ def test_missing_cp_group():
 
 
 def test_strategy_choice(monkeypatch):
-    """The cost model (megatron_kcp.parallel.strategy): the all-gather where no transition map is
+    """The cost model (megatron_kcp.parallel.cost_model): the all-gather where no transition map is
     needed, else the cheaper of the relay's chain and the maps; every rank of a plan chooses alike."""
-    from megatron_kcp.parallel.strategy import choose
+    from megatron_kcp.parallel.cost_model import choose
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
 
     def picks(cu, layout, W):
@@ -134,7 +134,7 @@ def test_strategy_model_against_the_predicted_steps(monkeypatch):
     from pathlib import Path
 
     from benchmarks.common import cu_seqlens
-    from megatron_kcp.parallel.strategy import choose
+    from megatron_kcp.parallel.cost_model import choose
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     cases = {}
     for name in ("predict_h200x1.csv", "simulate_w2_h200x1.csv"):

@@ -1,0 +1,173 @@
+"""Which core, which exchange strategy and which segment split one call runs: one cached decision per
+plan and problem, read by the op and by the ``KCP active`` line alike.
+
+Every input of the decision is shared by all ranks of the CP group (the global cu_seqlens, layout,
+CP size, heads, head dims, dtype, device kind), so all ranks decide alike; nothing depends on the
+rank's own tokens.
+
+* The core (``backend="auto"``): flash-qla's fused GDN kernels where they run here
+  (:func:`megatron_kcp.environment.qla_runs`) and measured faster than fla's on such a plan
+  (:func:`qla_worth`), fla's kernels elsewhere on CUDA, the pure-PyTorch reference on the CPU.
+* The strategy (``strategy="auto"``): the cost model's (:mod:`megatron_kcp.parallel.cost_model`);
+  on flash-qla, the relay wherever the all-gather would need transition maps. Without CP, on CUDA,
+  no exchange at all: the core's single-device call (``"none"``).
+* The split (``max_segment=None``): where flash-qla's scans would be latency-bound (few heads, a few
+  long segments a rank), segments are split into parts that the all-gather chains
+  (:func:`qla_max_segment`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kcp.environment import qla_runs
+from megatron_kcp.parallel.cost_model import choose, needs_maps
+from megatron_kcp.parallel.cp2hp import CP2HP
+from megatron_kcp.parallel.gather import AllGather
+from megatron_kcp.parallel.plan import KCPPlan, all_plans
+from megatron_kcp.parallel.relay import Relay
+from megatron_kcp.parallel.single import SingleDevice
+from megatron_kcp.parallel.strategy import ExchangeStrategy
+
+BACKENDS = ("auto", "reference", "fla", "qla")
+STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp")
+# the strategies by name (``none``: no exchange, the core's single-device call)
+STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGather(), CP2HP(), SingleDevice())}
+
+# flash-qla against fla, fitted on GPU runs (BENCHMARKS.md): where a rank's scans are too few to fill
+# the GPU, or its per-document segments too many, fla's kernels are faster
+QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, qla's scans are latency-bound
+QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: above, qla's covering passes lose
+QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
+QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
+QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add launches (fold steps) to a host-bound step
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What one call runs."""
+    core: str          # reference | fla | qla
+    strategy: str      # relay | gather | cp2hp | none (no exchange: the core's single-device call)
+    max_segment: int   # local segments split into parts of at most this many tokens (0: not split)
+
+    def describe(self) -> str:
+        """``strategy S, core C`` as the ``KCP active`` line prints it."""
+        core = {"reference": "reference (PyTorch)", "fla": "fla", "qla": "flash-qla"}[self.core]
+        strategy = "none (the core's single-device call)" if self.strategy == "none" else self.strategy
+        split = f", segments split into parts of {self.max_segment} tokens" if self.max_segment else ""
+        return f"strategy {strategy}, core {core}{split}"
+
+
+def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, backend: str = "auto",
+           strategy: str = "auto", max_segment: int | None = None) -> Dispatch:
+    """The :class:`Dispatch` of ``gated_delta_rule`` for these arguments (see the module docstring).
+
+    Args:
+        q: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; g: ``[1, T, HV]`` (GDN) or ``[1, T, HV, K]`` (KDA):
+            only their device, dtype and shapes are read.
+        backend: ``auto`` | ``reference`` | ``fla`` | ``qla``.
+        strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp``.
+        max_segment: None (the kernels' pick), 0 (never split) or a length.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
+    if strategy not in STRATEGY_NAMES:
+        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {STRATEGY_NAMES}")
+    if max_segment is not None and max_segment < 0:
+        raise ValueError(f"max_segment must be >= 0 (0: segments not split; None: the kernels' pick), "
+                         f"got {max_segment}")
+    return _decide(plan, q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]), v.shape[2], backend, strategy,
+                   max_segment, os.environ.get("KCP_STRATEGY"))
+
+
+@functools.lru_cache(maxsize=256)
+def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy, max_segment, forced) -> Dispatch:
+    cuda, W = device.type == "cuda", plan.world_size
+    if strategy == "cp2hp" and W > 1:
+        if max_segment:
+            raise ValueError("max_segment splits KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "
+                             "strategy")
+        if backend == "qla":
+            raise ValueError("strategy 'cp2hp' runs fla's kernels, as megatron-core's peer does: use backend 'fla' "
+                             "or 'auto'")
+        return Dispatch("fla" if backend == "auto" and cuda else "reference" if backend == "auto" else backend,
+                        "cp2hp", 0)
+    if strategy == "cp2hp":
+        strategy = "auto"                # one rank: nothing to spread over heads
+    if backend == "auto" and max_segment is None and W == 1 and cuda:
+        return Dispatch("fla", "none", 0)
+
+    def qla_here():
+        return qla_runs(device, dtype, kda, head_dims)
+    if max_segment is None:
+        qla = backend == "qla" or backend == "auto" and cuda and qla_here()
+        max_segment = qla_max_segment(plan, value_heads) if qla and strategy != "relay" else 0
+    if max_segment:
+        if strategy == "relay":
+            raise ValueError("segments split by max_segment are chained through the all-gather's fold: use "
+                             "strategy='gather' (or 'auto'), or max_segment=0 for the relay")
+        if backend == "auto":
+            backend = "reference" if not cuda else "qla" if qla_here() else "fla"
+        return Dispatch(backend, "gather", max_segment)
+    name = choose(plan, value_heads) if strategy == "auto" else strategy
+    maps = name == "gather" and W > 1 and needs_maps(plan.global_cu_seqlens, plan.layout, W)
+    if backend == "auto":
+        if not cuda:
+            return Dispatch("reference", name, 0)
+        backend = "qla" if not maps and qla_worth(plan, value_heads) and qla_here() else "fla"
+    if backend == "qla" and maps and strategy == "auto":
+        name = "relay"                   # qla's all-gather with maps lost to its relay on the GPU runs
+    return Dispatch(backend, name, 0)
+
+
+def qla_worth(plan: KCPPlan, value_heads: int) -> bool:
+    """Whether flash-qla's fused kernels beat fla's on this plan. qla runs a segment's state pass and
+    its output as one scan per head, so a rank's time is at least its longest segment's scan: with
+    few heads and one long segment a rank it is latency-bound. On per-document zigzag its state passes
+    cover the whole range between the segments that need them, which loses with many documents."""
+    return _qla_worth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> bool:
+    plans = all_plans(cu_seqlens, layout, world_size)
+    chains = min(p.num_local_tokens / max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    if value_heads * chains < QLA_MIN_CHAINS:
+        return False
+    return layout != "zigzag_per_doc" or max(p.num_segments for p in plans) <= QLA_MAX_INTERLEAVED
+
+
+def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
+    """Where flash-qla's scans would be latency-bound (:func:`qla_worth`'s first test fails: few heads,
+    a few long segments a rank), the part length (a multiple of the 64-token chunk, at least
+    ``QLA_SPLIT_MIN_PART``) that splits the busiest rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0
+    where no split is needed or none pays (a step too small to be anything but host-bound)."""
+    return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> int:
+    plans = all_plans(cu_seqlens, layout, world_size)
+    longest = max(max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    chains = min(p.num_local_tokens for p in plans) / longest
+    tokens = max(p.num_local_tokens for p in plans)
+    if value_heads * chains >= QLA_MIN_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
+            layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
+        return 0
+    part = max(QLA_SPLIT_MIN_PART, -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64)
+    return part if part < longest else 0
+
+
+def build_core(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor):
+    """The :class:`~megatron_kcp.parallel.core.LocalCore` called ``name``, after its environment check."""
+    if name == "qla":
+        from megatron_kcp.ops import core_qla
+        return core_qla.core(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
+    if name == "fla":
+        from megatron_kcp.ops import core_fla
+        return core_fla.core(kda=g.dim() == 4, device=q.device)
+    from megatron_kcp.ops.core_reference import ReferenceCore
+    return ReferenceCore()

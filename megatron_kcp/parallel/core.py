@@ -1,0 +1,121 @@
+"""What an exchange strategy calls on a local core, and the records they pass between them.
+
+A *local core* computes one rank's part of the gated delta rule on sets of its local segments
+(``KCPPlan``: the local stream cut at sequence starts and piece edges), given each segment's initial
+state (forward) or final-state gradient (backward). An *exchange strategy*
+(:mod:`megatron_kcp.parallel.strategy`) decides which segments run when and what crosses ranks. The
+cores are in :mod:`megatron_kcp.ops` (``core_reference``: the pure-PyTorch oracle, ``core_fla``:
+fla-core's chunk kernels, ``core_qla``: flash-qla's fused GDN kernels); a new core is one file
+implementing :class:`LocalCore`.
+
+The calls of one step, forward::
+
+    P = core.prepare(q, k, v, g, beta, plan, scale, l2, live)   # what needs no state, whole stream
+    st = core.states(P, h0)
+    core.state(P, st, segs, h0)        # state passes on any sets of segments, as their states arrive
+    core.maps(P, segs)                 # [H | M] where a strategy gathers affine maps
+    core.output(P, st, lo, hi)         # outputs of a range whose state passes are done
+
+backward (``P`` rebuilt from ``P.saved``)::
+
+    B = core.backward_prepare(P, lo, hi, h0[lo:hi], do)   # what needs no incoming state gradient
+    core.backward_state(P, B, segs, dht)                  # state-gradient passes on sets in [lo, hi)
+    core.backward_rest(P, B)                              # input gradients of the range
+    core.finish(P, grads)                                 # of the prepared tensors -> of the inputs
+
+Shapes: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]`` (GDN) or ``[1, T, HV, K]``
+(KDA), beta ``[1, T, HV]``; states and state gradients ``[segments, HV, K, V]`` fp32, one row per
+local segment unless a method says otherwise; maps ``[segments, HV, K, V + K]`` fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from megatron_kcp.parallel.plan import KCPPlan
+
+
+@dataclass
+class Prepared:
+    """A core's inputs for one step. ``saved`` survives into the backward; ``fwd`` does not."""
+    saved: tuple                        # the prepared inputs the backward keeps (each core's own layout)
+    plan: KCPPlan
+    scale: float
+    l2: bool                            # q and k are l2-normalised inside the op
+    fwd: tuple = ()                     # forward-only intermediates (fla: the WY form's w, u)
+    live: frozenset | None = None       # segments whose initial state may be nonzero (None: any of them)
+
+
+@dataclass
+class States:
+    """What the forward's state passes leave for ``output``, filled segment set by segment set."""
+    h0: torch.Tensor                    # every local segment's initial state, filled as states arrive
+    h: torch.Tensor | None = None       # chunk-start states [1, chunks, HV, K, V] (fla)
+    v_new: torch.Tensor | None = None   # values after the delta rule [1, T, HV, V] (fla)
+    o: torch.Tensor | None = None       # outputs the state passes computed themselves (reference)
+
+
+@dataclass
+class Backward:
+    """One range [lo, hi) of segments in the backward: what ``backward_prepare`` computed, and what
+    the state-gradient passes fill."""
+    lo: int
+    hi: int
+    xs: tuple                           # the range's prepared and recomputed tensors (each core's own layout)
+    dh: torch.Tensor | None = None      # chunk state gradients [1, chunks, HV, K, V] (fla)
+    dv: torch.Tensor | None = None      # local value gradient, input of the state-gradient pass (fla)
+    dv2: torch.Tensor | None = None     # ... with the state's share, its output (fla)
+    dht: torch.Tensor | None = None     # final-state gradients, a row per segment of the range (qla)
+    grads: list | None = None           # input gradients of the range, filled pass by pass (reference)
+    kw: dict = field(default_factory=dict)   # the range's varlen arguments for the kernels
+
+
+class LocalCore(Protocol):
+    """One rank's gated delta rule on sets of its local segments (see the module docstring)."""
+
+    fused: bool
+    """True where ``output`` and ``backward_rest`` run their own state (gradient) passes: a strategy
+    then runs ``state`` / ``backward_state`` only where a result leaves the rank or the op."""
+
+    def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, l2: bool,
+                live: frozenset | None = None) -> Prepared:
+        """Everything that needs no state, over the whole local stream."""
+
+    def states(self, P: Prepared, h0: torch.Tensor) -> States:
+        """Empty buffers of the forward's state passes; ``h0`` is every segment's initial state."""
+
+    def state(self, P: Prepared, st: States, segs, h0: torch.Tensor) -> torch.Tensor:
+        """Final states ``[len(segs), HV, K, V]`` of the local segments ``segs`` (sorted) from their
+        initial states in ``h0``; what ``output`` needs goes into ``st``. A row nobody takes (no
+        successor) may be left undefined."""
+
+    def maps(self, P: Prepared, segs) -> torch.Tensor:
+        """The affine map ``S_out = M S_in + H`` of each of ``segs`` as ``[len(segs), HV, K, V + K]``
+        = ``[H | M]``."""
+
+    def output(self, P: Prepared, st: States, lo: int, hi: int) -> torch.Tensor:
+        """o ``[1, tokens of segments lo..hi-1, HV, V]``, once their state passes are done."""
+
+    def backward_prepare(self, P: Prepared, lo: int, hi: int, h0: torch.Tensor, do: torch.Tensor) -> Backward:
+        """What the state-gradient passes of segments [lo, hi) need before their final-state gradients
+        are known; ``h0`` holds their initial states."""
+
+    def backward_state(self, P: Prepared, B: Backward, segs, dht: torch.Tensor) -> torch.Tensor:
+        """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi)) from
+        the final-state gradients ``dht`` (a row per segment of the range); the rest goes into ``B``.
+        A row that leaves neither rank nor op may be left undefined."""
+
+    def backward_rest(self, P: Prepared, B: Backward) -> tuple[torch.Tensor, ...]:
+        """Gradients (q, k, v, g, beta) of the prepared tensors of segments [B.lo, B.hi), once every
+        one of their state-gradient passes is done."""
+
+    def finish(self, P: Prepared, grads: tuple) -> tuple[torch.Tensor, ...]:
+        """The inputs' gradients from the prepared tensors' (undoing the l2norm)."""
+
+    def single_device(self, q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor | None,
+                      use_qk_l2norm_in_kernel: bool, cu_seqlens: torch.Tensor,
+                      cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
+        """o of whole sequences on one device, with autograd: the library's own call, fla's
+        ``chunk_gated_delta_rule`` / ``chunk_kda`` surface (megatron-core's ``GatedDeltaRuleInterface``)."""
