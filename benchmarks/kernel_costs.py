@@ -52,7 +52,7 @@ def case(model, T, docs, H, args, rows):
     scale = 128 ** -0.5
     P = core.prepare(*xs, plan, scale, True)
     segs = range(n)
-    st = core.states(P)
+    st = core.states(P, h0)
     core.state(P, st, segs, h0)
     B = core.backward_prepare(P, 0, n, h0, do)
     core.backward_state(P, B, segs, h0)

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem
-from megatron_kcp.parallel.cp2hp import CP2HP
 from benchmarks.ops import chunk_kernel, fla_cp, op_steps
 from benchmarks.timing import Bench
 
@@ -23,7 +22,7 @@ def profile_case(b: Bench, model, T, docs, H):
     from megatron_kcp.ops import kcp
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
-    from benchmarks.ops import KCP_METHODS, kcp_backend
+    from benchmarks.ops import KCP_METHODS, cp2hp, kcp_backend
     cu = cu_seqlens(docs, T, pad=2 * W)
     cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)
     xs, do = problem(model, T, H, args.head_dim, b.dtype, dev, seed=0)
@@ -41,8 +40,7 @@ def profile_case(b: Bench, model, T, docs, H):
         if "fla-cp" in args.methods and b.cuda and few:
             cases.append((f"fla-cp {layout} W={W}", fla_cp(kernel, plan, cu, dist.group.WORLD, dev), idx))
         if "cp2hp" in args.methods and layout == "zigzag" and H % W == 0:
-            plans = [build_plan(cu, layout, W, r, CONV) for r in range(W)]
-            cases.append((f"cp2hp zigzag W={W}", CP2HP(kernel, plans, cu, dist.group.WORLD, dev), idx))
+            cases.append((f"cp2hp zigzag W={W}", cp2hp(kernel, plan, dist.group.WORLD), idx))
     for name, fn, idx in cases:
         pick = (lambda t: t) if idx is None else (lambda t: t[:, idx])
         step = op_steps(fn, fresh_leaves(pick(x) for x in xs), pick(do).contiguous())("fwd+bwd")

@@ -51,6 +51,23 @@ def flash_qla_call(cu_dev):
     return run
 
 
+class KernelCore:
+    """A single-device kernel ``o = kernel(q, k, v, g, beta, cu, cu_cpu)`` as the core the cp2hp strategy calls."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def single_device(self, q, k, v, g, beta, *, cu_seqlens, cu_seqlens_cpu, **_):
+        return self.kernel(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+
+
+def cp2hp(kernel, plan, group):
+    """megatron-core's CP (all-to-all to head shards) around ``kernel``, on this rank's ``plan``."""
+    core, strategy = KernelCore(kernel), CP2HP()
+    return lambda q, k, v, g, beta: strategy.apply(core, q, k, v, g, beta, plan, group, scale=None,
+                                                   initial_state=None, use_qk_l2norm=True)
+
+
 def op_steps(fn, leaves, do):
     def make(pas):
         if pas == "fwd":
@@ -69,7 +86,7 @@ KCP_METHODS = {"kcp": "auto", "kcp-relay": "relay", "kcp-gather": "gather", "kcp
 
 def kcp_backend(method: str, model: str, cuda: bool) -> str | None:
     """The core a kcp method runs (None: not on this model or device): fla's kernels, or on ``kcp-qla``
-    flash-qla's (GDN, GPU only) under the strategy ``kcp.kernels`` picks for it."""
+    flash-qla's (GDN, GPU only) under the strategy ``dispatch.decide`` picks for it."""
     if method == "kcp-qla":
         return "qla" if cuda and model == "GDN" else None
     return "fla" if cuda else "reference"
@@ -155,9 +172,10 @@ def ops_case(b: Bench, model, T, docs, H, table):
             table.add(dict(meta0, method="cp2hp", layout="zigzag", W=W, **{"pass": p},
                            note=f"n/a: H={H} heads cannot be split over W={W} ranks"))
     else:
-        run("cp2hp", "zigzag", CP2HP(kernel, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
+        run("cp2hp", "zigzag", cp2hp(kernel, plans["zigzag"][rank], dist.group.WORLD), index["zigzag"], W)
         if qla is not None:     # megatron-core's GDN where flash-qla is installed: fla hands it the kernel
-            run("cp2hp-qla", "zigzag", CP2HP(qla, plans["zigzag"], cu, dist.group.WORLD, dev), index["zigzag"], W)
+            run("cp2hp-qla", "zigzag", cp2hp(lambda *x: qla(*x)[0], plans["zigzag"][rank], dist.group.WORLD),
+                index["zigzag"], W)
     for layout in layouts:
         if layout not in args.layouts:
             continue

@@ -220,7 +220,7 @@ def main(argv=None):
                         "the reference stands in for fla")
     p.add_argument("--max-segment", type=int, default=None,
                    help="cut every segment into parts of at most this many tokens (gather only; 0: never; "
-                        "default: the kernels' pick, kcp.qla_split); noCP is never cut")
+                        "default: the kernels' pick, dispatch.qla_max_segment); noCP is never cut")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# GPU evidence in one device call (see ../shared/device/README.md): versions, the GPU tests (op and
-# mixer level, fla vs reference and CP vs one GPU) and the CP=4 peak-memory report, with logs and
-# per-case errors written to $OUT. Run from the repo root:
-#   source .devbundle/setup.sh && bash scripts/device_gpu_checks.sh
-# Correctness runs use the tests' cheap autotuning (tests/fast_autotune.py); the three suites run
-# side by side, since on a fresh machine their time is Triton compiling on the CPU cores.
+# The GPU test suites in one run: versions, the GPU tests (op and mixer level, fla vs reference and
+# CP vs one GPU) and the CP=4 peak-memory report, with logs and per-case errors written to $OUT
+# (default /tmp/out). Run from the repo root:
+#   bash scripts/device_gpu_checks.sh
+# Needs: one or more CUDA GPUs (CP ranks get a GPU each over NCCL where there are enough, else share
+# GPUs over gloo, so CP = 4 runs on one or two).
+# Needs, importable: fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1 tilelang,
+# optionally flash-qla 0.1.3 (e.g. `pip install -e ".[qla]" tilelang` in this checkout); setting
+# them up is the user's, the script installs nothing.
+# Correctness runs use the tests' cheap autotuning (megatron_kcp/testing/fast_autotune.py); the
+# suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores.
 # Triton's autotune results (small JSON files) and tilelang's compiled kernels are packed into
-# $OUT/tcache.tar.gz: carried back as .tcache/tcache.tar.gz they spare the next machine compiling.
+# $OUT/tcache.tar.gz: copied to .tcache/tcache.tar.gz in the checkout, they spare a later run compiling.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
 export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
@@ -23,11 +28,11 @@ suite() {   # name, pytest args...
   timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 }
-suite ops_w1 tests/parallel/test_kcp_gpu.py -k "fla_matches or scattered" &
-suite ops_w2 tests/parallel/test_kcp_gpu.py -k "single_gpu and 2]" &
-suite ops_w4 tests/parallel/test_kcp_gpu.py -k "single_gpu and 4]" &
-suite layers_w2 tests/layers/test_layers_gpu.py -k "2-1-False" &
-suite layers_w4 tests/layers/test_layers_gpu.py -k "4-1-False or 4-2-True" &
+suite ops_w1 tests/ops/test_kcp_cuda.py -k "fla_matches or scattered" &
+suite ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]" &
+suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
+suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
+suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
 [ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS
   timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
@@ -36,7 +41,7 @@ suite layers_w4 tests/layers/test_layers_gpu.py -k "4-1-False or 4-2-True" &
 ) &
 wait
 save_cache
-# at most 8 files come back from a device call: logs and per-case errors travel as one archive
+# logs and per-case errors travel as one archive
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt)
 tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt
 tar -xzf "$OUT/evidence.tar.gz" -O --wildcards './*.log' | grep -E "^(PASSED|FAILED|ERROR)|(passed|failed)( |,)"

@@ -24,7 +24,7 @@ class Shape:
 
 CPU = Shape()
 # fla's kernels: head dim 128 as in the op tests; fp32 with 3xTF32 products, except GDN's dq/dk/dg
-# backward on Hopper, which is TF32 (TILELANG_FP32_TOL in tests/parallel/test_kcp_gpu.py)
+# backward on Hopper, which is TF32 (TILELANG_FP32_TOL in tests/ops/test_kcp_cuda.py)
 GPU = Shape(hidden=256, heads=(4, 4), head_dim=128, seq=1024, batch=1, device="cuda", tol=3e-3)
 
 

@@ -20,7 +20,7 @@ from megatron_kcp.ops import reference as R
 
 def _run(q, k, v, g, b, scale, h0, cu):
     o, ht = R.chunk_gated_delta_rule_fp64(q, k, v, g, b, scale=scale, initial_state=h0, output_final_state=True,
-                                     cu_seqlens=cu)
+                                          cu_seqlens=cu)
     return o, ht
 
 

@@ -23,7 +23,7 @@ from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
-from tests.parallel.test_kcp_cpu import STRATEGIES, _exchange_off
+from megatron_kcp.testing.checks import STRATEGIES, exchange_off
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 BACKEND = os.environ.get("KCP_GPU_BACKEND", "fla")
@@ -33,7 +33,7 @@ TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
 # fp32 products are TF32 whatever Triton's setting: measured 1.5e-3 (dq, dk) and 2.1e-3 (dg) on
 # H200, against 8e-6 for o, dv and dbeta from the same run (docs/gpu_runs.md)
 TILELANG_FP32_TOL = 3e-3
-needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 # The conv is the same kernel on the same inputs with or without CP: its output can differ only by a
@@ -107,7 +107,6 @@ def _one_gpu_against_reference(backend, gen, cu, xs, HV, max_segment=None) -> di
     return {n: rel_err(a, b) for n, a, b in zip(names, out[backend], out["reference"])}
 
 
-@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
 def test_fla_matches_reference(kda, dtype):
@@ -122,7 +121,6 @@ def test_fla_matches_reference(kda, dtype):
     assert all(e <= tolerance(n.split("|")[0], dtype, kda) for n, e in errs.items()), errs
 
 
-@needs_gpu
 @pytest.mark.parametrize("heads", [(4, 4), (2, 4)], ids=["H=HV", "grouped"])
 def test_qla_matches_reference(heads):
     """The qla core (flash-qla's fused kernels, GDN, bf16) on one GPU against the fp64 reference core:
@@ -140,7 +138,6 @@ def test_qla_matches_reference(heads):
     assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
 
 
-@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model", ["GDN", "GDN-grouped", "KDA"])
 def test_single_device_call_matches_reference(model, dtype):
@@ -185,7 +182,7 @@ def _conv_equal_segments(out_dir):
             dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
             return e.tolist()
         errs = errors()
-        restore = _exchange_off()
+        restore = exchange_off()
         try:
             off = errors()
         finally:
@@ -202,13 +199,11 @@ def _conv_equal_segments(out_dir):
             assert min(off[:2]) >= 10 * CONV_TOL, lines[-1]
 
 
-@needs_gpu
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_conv_equal_segments_match_reference(world_size):
     spawn(_conv_equal_segments, world_size, os.environ.get("KCP_EVIDENCE_DIR"))
 
 
-@needs_gpu
 @pytest.mark.parametrize("backend,cut", [("qla", 192), ("qla", 100), ("fla", 192)])
 def test_split_segments_match_reference(backend, cut):
     """Segments split into parts (``max_segment``: chunk-aligned, and not) on one GPU, GDN bf16: the
@@ -228,7 +223,6 @@ def test_split_segments_match_reference(backend, cut):
     assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
 
 
-@needs_gpu
 @pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
 def test_scattered_segments_match_whole_stream(kda):
     """The state, state-gradient and map passes on a scattered set of segments (one launch, fla's
@@ -346,7 +340,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                     if r == 0:
                         print(lines[-1], flush=True)
                     assert all(e <= allowed(n) for n, e in errs.items()), lines[-1]
-                restore = _exchange_off()
+                restore = exchange_off()
                 try:
                     off = _errors(_run(plan, group, loc[:5], loc[5], "relay", local_conv, backend), oracle, single,
                                   plan, group)
@@ -363,7 +357,6 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
             f.write("\n".join(lines) + "\n")
 
 
-@needs_gpu
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_matches_single_gpu(world_size):
     """Every layout, both strategies, bf16 and fp32, GDN and KDA, against one GPU; and the negative

@@ -13,7 +13,7 @@ import torch
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.layers import GPU, compare_tp_cp
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def _compare(model, tp, sequence_parallel):

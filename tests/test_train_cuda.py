@@ -16,7 +16,7 @@ from megatron_kcp.layers.attention import gather_zigzag
 from megatron_kcp.testing.distributed import rel_err, spawn
 from tests.test_train import _small_model, entry_step
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
 def _step(preset, core, out):

@@ -5,7 +5,7 @@ The qla core runs a pass only over the segments whose state (gradient) leaves, f
 kernels each segment's initial state and final-state gradient, and reduces grouped heads: on CPU
 ranks against the oracle, every layout, both strategies it runs, with user initial states, and on
 the long-memory batch with the exchange switched off (which must miss). The real kernels are
-checked against the same oracle on the GPU (tests/parallel/test_kcp_gpu.py).
+checked against the same oracle on the GPU (tests/ops/test_kcp_cuda.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
-from tests.parallel.test_kcp_cpu import TOL, _compare, _exchange_off, _group
+from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
 
 CU = (0, 1024)
 
@@ -62,9 +62,9 @@ def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
     ("single", "contiguous", 32768, 4, 16, 0), ("single", "contiguous", 32768, 1, 64, 0),
     ("varlen", "contiguous", 65536, 2, 16, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
 def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
-    """The one-H200 crossovers (``dispatch.qla_max_segment``): one segment of 16k or more tokens a rank at 16 heads is split
-    into parts of at least 4096 tokens that give a rank 128 scans; 8k a rank is bound by the host's launches, and
-    documents, or 64 heads, give qla enough scans without a cut."""
+    """The one-H200 crossovers (``dispatch.qla_max_segment``): one segment of 16k or more tokens a rank at 16
+    heads is split into parts of at least 4096 tokens that give a rank 128 scans; 8k a rank is bound by the
+    host's launches, and documents, or 64 heads, give qla enough scans without a split."""
     from benchmarks.common import cu_seqlens
     plan = build_plan(cu_seqlens(docs, tokens, pad=4), layout, W, 0, 4)
     assert dispatch.qla_max_segment(plan, heads) == cut
@@ -96,7 +96,7 @@ def test_qla_refuses_what_it_cannot_run(case, match):
 def _qla_cases(layouts):
     from megatron_kcp.testing import qla_contracts
     qla_contracts.install()
-    group = _group()
+    group = cp_group()
     W = dist.get_world_size(group)
     for layout in layouts:
         for seed, kind in enumerate(("random", "single", "edges", "tiny")):
@@ -105,17 +105,18 @@ def _qla_cases(layouts):
             xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4, 8, 6, False)   # grouped heads: HV = 2H
             for strategy, cut in (("auto", None), ("relay", None), ("gather", 0), ("auto", 16)):
                 for init in (None, xs[5]):
-                    errs = _compare(cu, xs[:5], init, layout, strategy, seed % 2 == 0, group, seed, "qla", cut)
+                    errs = compare_with_oracle(cu, xs[:5], init, layout, strategy, seed % 2 == 0, group, seed,
+                                               "qla", cut)
                     bad = {k: v for k, v in errs.items() if not v <= TOL}
                     assert not bad, f"qla {layout} {kind} {strategy} cut={cut} init={init is not None} cu={cu}: {bad}"
         gen = torch.Generator().manual_seed(7 + W)
         cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
         xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)
-        errs = _compare(cu, xs, None, layout, "auto", True, group, W, backend="qla")
+        errs = compare_with_oracle(cu, xs, None, layout, "auto", True, group, W, backend="qla")
         assert max(errs.values()) <= TOL, f"qla {layout} long memory: {errs}"
-        restore = _exchange_off()
+        restore = exchange_off()
         try:
-            off = _compare(cu, xs, None, layout, "relay", True, group, W, backend="qla")
+            off = compare_with_oracle(cu, xs, None, layout, "relay", True, group, W, backend="qla")
         finally:
             restore()
         weak = {k: v for k, v in off.items() if not v >= 10 * TOL}
