@@ -13,8 +13,6 @@ import subprocess
 import sys
 import tarfile
 
-import pytest
-
 from tests.test_megatron_lm import readme_commands
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

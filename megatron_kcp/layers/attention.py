@@ -126,4 +126,3 @@ class CPDotProductAttention(MegatronModule):
                              for qc, end in pieces], dim=2)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-

@@ -75,7 +75,7 @@ def _recurrent_seq(q, k, v, g, beta, S):
 
 
 def recurrent_gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm=False, cu_seqlens=None):
+                                    output_final_state=False, use_qk_l2norm=False, cu_seqlens=None):
     """Token-by-token recurrence: the oracle for everything else."""
     return _over_sequences(_recurrent_seq, q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm, cu_seqlens)
@@ -108,7 +108,7 @@ def _chunk_seq(q, k, v, g, beta, S, chunk_size):
 
 
 def chunk_gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm=False, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+                                use_qk_l2norm=False, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     """Chunked (WY) form, chunks never crossing a sequence; same contract as the naive oracle."""
     return _over_sequences(lambda *x: _chunk_seq(*x, chunk_size), q, k, v, g, beta, scale, initial_state,
                            output_final_state, use_qk_l2norm, cu_seqlens)
@@ -123,7 +123,8 @@ def affine_state_map(k, g, beta, v, use_qk_l2norm=False, chunk_size=CHUNK_SIZE):
     T, HV, K = v.shape[1], v.shape[2], k.shape[-1]
     vz = v.to(torch.float64)
     vz = torch.cat([vz, vz.new_zeros(1, T, HV, K)], -1)
-    S0 = torch.cat([vz.new_zeros(HV, K, v.shape[-1]), torch.eye(K, dtype=vz.dtype, device=v.device).expand(HV, K, K)], -1)
+    eye = torch.eye(K, dtype=vz.dtype, device=v.device).expand(HV, K, K)
+    S0 = torch.cat([vz.new_zeros(HV, K, v.shape[-1]), eye], -1)
     _, S = chunk_gated_delta_rule_fp64(k, k, vz, g, beta, initial_state=S0[None], output_final_state=True,
-                                  use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+                                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     return S[0]

@@ -1,0 +1,119 @@
+"""Mixer level without CP, one GPU: megatron-core's ``GatedDeltaNet`` beside ``KCPGatedDeltaNet``
+(same config and weights, Megatron's local layers, bf16, fwd+bwd), medians after warm-up, and with
+``--profile`` torch.profiler's kernel table of each.
+
+Needs one CUDA GPU, fla-core 0.6.0 and megatron-core 0.19.x (flash-qla 0.1.3 optional: fla then
+hands megatron-core's GDN call to it, unless ``FLA_FLASH_QLA=0``). ``--core fla`` pins our mixer's
+core to fla's kernels (default ``auto``, what a user gets).
+
+    python benchmarks/mixer_cp1.py --tokens 32768 --heads 16 --csv mixer_cp1.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "err")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--heads", type=int, nargs="+", default=[16])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--core", default="auto", choices=("auto", "fla", "qla"))
+    p.add_argument("--mixers", nargs="+", default=["megatron", "kcp"], choices=("megatron", "kcp"))
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--csv", help="append the rows to this CSV")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_kcp.layers.gdn import KCPGatedDeltaNet
+    from megatron_kcp.ops import kcp
+    from megatron_kcp.testing.layers import Shape, build, config, solo_pg
+    ps.initialize_model_parallel()
+    kcp.gated_delta_rule = functools.partial(kcp.gated_delta_rule, backend=args.core)
+    qla = os.environ.get("FLA_FLASH_QLA", "1") != "0"
+    rows = []
+    for H in args.heads:
+        T = args.tokens
+        shape = Shape(hidden=args.hidden, heads=(H, H), head_dim=128, seq=T, batch=1, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(T + H)
+        x, dy = (torch.randn(T, 1, args.hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        state = ref = None
+        for name in args.mixers:
+            cls = GatedDeltaNet if name == "megatron" else KCPGatedDeltaNet
+            mod = build("gdn", config("gdn", shape, 1, bf16=True, params_dtype=torch.bfloat16), solo_pg(), "cuda",
+                        cls=cls).to(torch.bfloat16)
+            state = state or {k: v.clone() for k, v in mod.state_dict().items() if isinstance(v, torch.Tensor)}
+            mod.load_state_dict(state, strict=False)
+            leaf = x.clone().requires_grad_()
+
+            def step():
+                for t in [leaf, *mod.parameters()]:
+                    t.grad = None
+                y, _ = mod(leaf, None)
+                y.backward(dy)
+                return y
+            for _ in range(args.warmup):
+                y = step()
+            y = y.detach().float()
+            ref = ref if ref is not None else y
+            times = []
+            for _ in range(args.iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                step()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            row = dict(gpu=torch.cuda.get_device_name(), tokens=T, heads=H, hidden=args.hidden, mixer=name,
+                       core=args.core if name == "kcp" else "-", flash_qla=int(qla),
+                       median_ms=round(statistics.median(times), 3), min_ms=round(min(times), 3),
+                       err=f"{((y - ref).norm() / ref.norm()).item():.1e}")
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        step()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=28,
+                                                max_name_column_width=70), flush=True)
+            mod = step = None
+            torch.cuda.empty_cache()
+    if args.csv:
+        new = not Path(args.csv).exists()
+        with open(args.csv, "a", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS)
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
