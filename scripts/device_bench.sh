@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# The CP benchmarks in one device call, run from the repo root:
-#   source .devbundle/setup.sh && bash scripts/device_bench.sh
-# Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order; "large" is the
-# issue table: every layout, one sequence, 10 and 100 documents, fwd+bwd; "predict", not in the
-# default, is the W = 4 to 64 prediction from one GPU), each with a soft
-# budget (bench_ops.py --budget: cases left are skipped, the table still prints; a share of the
-# time left) and a hard limit (timeout): large = op level at KCP_BENCH_LARGE_HEADS heads and the
-# first token count; profile = torch.profiler's kernel table of noCP and kcp there; ops = op level
-# at KCP_BENCH_HEADS over the token counts; layers = layer level; predict = simulate.py on the first
-# GPU: each rank's local work under the plans of W = KCP_PREDICT_W (default "4 8 16 32 64") at
-# KCP_PREDICT_TOKENS (262144) tokens and KCP_BENCH_HEADS heads, for KCP_PREDICT_MODELS ("GDN KDA"),
-# KCP_PREDICT_DOCS ("single varlen") and the cores KCP_PREDICT_BACKENDS ("fla qla"), replayed over
-# the link fitted on 2 x H200 (alpha 60 us, 332 GB/s), with plot.py's efficiency-vs-W table and
-# crossover (predict.csv, predict.png). Then the exchange model beside the measured exchange.
+# The CP benchmarks, op and layer level, on one machine, run from the repo root:
+#   bash scripts/device_bench.sh
+# Needs: W >= 2 CUDA GPUs, one per CP rank ("predict" runs on the first GPU alone), and, importable,
+# fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1 tilelang, and optionally
+# flash-qla 0.1.3 (GDN's fused kernels on Hopper/Blackwell; its rows say n/a without it) and
+# matplotlib (the PNGs): e.g. `pip install -e ".[qla]" tilelang` in this checkout. Setting them up
+# is the user's; the script installs nothing.
+# Stages (KCP_BENCH_STAGES, default "large profile ops layers", in that order; "predict" is not in
+# the default), each with a soft budget (bench_ops.py --budget: cases left are skipped, the table
+# still prints; a share of the time left) and a hard limit (timeout):
+#   large    op level at KCP_BENCH_LARGE_HEADS heads and the first token count: every layout, one
+#            sequence, 10 and 100 documents, fwd+bwd
+#   profile  torch.profiler's kernel table of noCP and kcp there
+#   ops      op level at KCP_BENCH_HEADS over the token counts
+#   layers   layer level
+#   predict  simulate.py: each rank's local work under the plans of W = KCP_PREDICT_W (default
+#            "4 8 16 32 64") at KCP_PREDICT_TOKENS (262144) tokens and KCP_BENCH_HEADS heads, for
+#            KCP_PREDICT_MODELS ("GDN KDA"), KCP_PREDICT_DOCS ("single varlen") and the cores
+#            KCP_PREDICT_BACKENDS ("fla qla"), replayed over the link fitted on 2 x H200 (alpha 60 us,
+#            332 GB/s), with plot.py's efficiency-vs-W table and crossover (predict.csv, predict.png)
+# Then the exchange model beside the measured exchange.
 # Env: KCP_BENCH_W (CP size, default every GPU), KCP_BENCH_BUDGET (seconds for all stages, default
-# 480: fits a 10-minute call with the bundle's unpacking), KCP_BENCH_TOKENS (op level, default
-# "32768 131072 262144"), KCP_BENCH_HEADS (16), KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS
-# (64; empty skips that stage), KCP_BENCH_EXTRA (more bench_ops.py args). The whole script on a CPU
-# machine, in about a minute (the sizes are given, so --smoke keeps them: give tiny ones):
+# 480), KCP_BENCH_TOKENS (op level, default "32768 131072 262144"), KCP_BENCH_HEADS (16),
+# KCP_BENCH_LAYER_TOKENS (32768), KCP_BENCH_LARGE_HEADS (64; empty skips that stage), KCP_BENCH_EXTRA
+# (more bench_ops.py args), OUT (default /tmp/out). The whole script on a CPU machine, in about a
+# minute (the sizes are given, so --smoke keeps them: give tiny ones):
 #   OUT=/tmp/b KCP_BENCH_W=2 KCP_BENCH_EXTRA=--smoke KCP_BENCH_TOKENS=128 KCP_BENCH_HEADS=2 \
 #   KCP_BENCH_LAYER_TOKENS=128 KCP_BENCH_LARGE_HEADS=4 bash scripts/device_bench.sh
 # Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); every shape is tuned in untimed
 # warm-up calls. The tuning results (small JSON files) and tilelang's kernels are packed into
-# $OUT/tcache.tar.gz: carried back as .tcache/tcache.tar.gz, the next call loads them instead of
-# tuning, and spends its time measuring. $OUT gets at most 7 files (CSVs, PNGs if matplotlib
-# imports, logs.tar.gz, tcache.tar.gz); the tables are printed at the end.
+# $OUT/tcache.tar.gz; copied to .tcache/tcache.tar.gz in the checkout, they spare a later run the
+# tuning (scripts/device_cache.sh). $OUT gets the CSVs, the PNGs, logs.tar.gz and tcache.tar.gz;
+# the tables are printed at the end.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
@@ -99,7 +106,7 @@ for i in "${!stages[@]}"; do run_stage "${stages[$i]}" $((${#stages[@]} - i - 1)
 } > "$logs/exchange_model.txt" 2>&1
 
 save_cache
-# at most 8 files come back from a device call: the logs travel as one archive
+# the logs travel as one archive
 (cd "$OUT" && tar -czf logs.tar.gz logs && rm -rf logs)
 
 tar -xzf "$OUT/logs.tar.gz" -O logs/versions.txt logs/summary.txt

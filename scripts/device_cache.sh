@@ -1,10 +1,11 @@
 # Sourced by the device_*.sh scripts: Triton's and tilelang's caches under /tmp/$name, seeded from
-# .tcache/$name.tar.gz (carried into the call), and save_cache, which packs the autotune results
-# and tilelang kernels into $OUT/$name.tar.gz for the next call (kernels dropped if the archive
-# would exceed what a call returns: 16 MB a file). With KCP_FAST_AUTOTUNE set, every Python process,
-# torchrun's workers included, trims fla's autotuning (tests/fast_autotune.py) before fla imports,
-# and the cache is another one (name tcache-fast, not tcache): trimmed winners must never reach
-# a timed run, since Triton reads autotune winners from the disk cache.
+# .tcache/$name.tar.gz when the checkout has one (a cache saved by an earlier run, possibly on
+# another machine with the same GPU and packages), and save_cache, which packs the autotune results
+# and tilelang kernels into $OUT/$name.tar.gz for a later run (the kernels are dropped if the
+# archive would exceed 15 MB). With KCP_FAST_AUTOTUNE set, every Python process, torchrun's workers
+# included, trims fla's autotuning (megatron_kcp/testing/fast_autotune.py) before fla imports, and
+# the cache is another one (name tcache-fast, not tcache): trimmed winners must never reach a timed
+# run, since Triton reads autotune winners from the disk cache.
 name=tcache${KCP_FAST_AUTOTUNE:+-fast}
 export TRITON_CACHE_DIR=/tmp/$name/triton TILELANG_CACHE_DIR=/tmp/$name/tilelang
 mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"

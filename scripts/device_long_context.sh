@@ -3,7 +3,12 @@
 # machine, each with its KCP mixer and with its cp2hp peer in the same hybrid (GDN: megatron-core's own
 # GatedDeltaNet; KDA: our mixer with that all-to-all around its kernel, cp2hp_kda_hybrid_layer_spec):
 # steps, tokens/s and peak memory from each run's progress lines, or the error a run stops with.
-#   source .devbundle/setup.sh && bash scripts/device_long_context.sh
+#   bash scripts/device_long_context.sh
+# Needs: 2 or more CUDA GPUs with about 30 GiB each at CP = 2 (the GDN hybrid took 28.7 GiB a GPU with
+# KCP, 31.0 with cp2hp, on 2 x H200).
+# Needs, importable: fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1 tilelang,
+# optionally flash-qla 0.1.3 (e.g. `pip install -e ".[qla]" tilelang` in this checkout); setting
+# them up is the user's, the script installs nothing.
 # MODELS (default "gdn kda"), KCP_LONG_MIXERS (default "kcp cp2hp"), SEQ (default 1048576), STEPS
 # (default 4) and VOCAB (default 2048: 32000 would make the logits alone tens of GB per rank at this
 # length) can be set. KCP_FAST_AUTOTUNE=1 trims fla's autotuning for all runs alike (first steps then
@@ -31,5 +36,5 @@ for model in ${MODELS:-gdn kda}; do
   done
 done
 save_cache
-# at most 8 files come back from a device call: logs and losses travel as one archive
+# logs and losses travel as one archive
 (cd "$OUT" && tar -czf long_evidence.tar.gz --remove-files ./long_*.log ./long_*.jsonl ./long_summary.txt)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Megatron-LM's pretrain_gpt.py with the KCP specs, in one device call on 2 GPUs:
-#   source .devbundle/setup.sh && bash scripts/device_megatron_lm.sh      (carry .devbundle, .mlm, .tcache)
+# Megatron-LM's pretrain_gpt.py with the KCP specs, in one run on a machine with 2 CUDA GPUs:
+#   bash scripts/device_megatron_lm.sh
+# Needs, importable: fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1 tilelang,
+# optionally flash-qla 0.1.3 (e.g. `pip install -e ".[qla]" tilelang` in this checkout); setting
+# them up is the user's, the script installs nothing.
 # MEGATRON_LM (default .mlm, made by scripts/fetch_megatron_lm.sh) holds pretrain_gpt.py and the repo-level
 # modules it imports; megatron.core and megatron.training come from the installed megatron-core wheel.
 # The README's pretrain_gpt.py block is run as it stands (its setup lines, then its torchrun lines);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Training evidence in one device call on 2 GPUs (see docs/gpu_runs.md): the tiny GDN and KDA
-# hybrids trained with megatron_kcp.train on Megatron's mock data, global batch 2 x 4096 tokens.
+# Training checks in one run on a machine with 2 CUDA GPUs (results: BENCHMARKS.md, "End to end"):
+# the tiny GDN and KDA hybrids trained with megatron_kcp.train on Megatron's mock data, global batch
+# 2 x 4096 tokens.
 # Runs (bf16 unless named fp32):
 #   cp1        100 steps, CP=1 (DP=2)
 #   dp1        100 steps, CP=1 on one GPU (DP=1, two micro-batches): cp1 with another gradient
@@ -15,7 +16,10 @@
 # per model); chains run side by side, the runs of a chain one after another (resume after cp2,
 # restart after crash). Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py
 # compares the bf16 runs with cp2 and fp32_cp2 with fp32_cp1.
-#   source .devbundle/setup.sh && bash scripts/device_train_checks.sh
+#   bash scripts/device_train_checks.sh
+# Needs, importable: fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1 tilelang,
+# optionally flash-qla 0.1.3 (e.g. `pip install -e ".[qla]" tilelang` in this checkout); setting
+# them up is the user's, the script installs nothing.
 # Correctness runs: fla's autotuning is trimmed (KCP_FAST_AUTOTUNE), so tokens/s here are not benchmarks.
 set -uo pipefail
 export OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore KCP_FAST_AUTOTUNE=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -76,7 +80,7 @@ for c in ${KCP_TRAIN_CHAINS:-gdn:$all kda:$all}; do
   port=$((port + 100))
 done
 # a time limit that leaves room to pack the evidence; the killer must not outlive the script (a
-# stray sleep holding the output open keeps the device call waiting)
+# stray sleep holding the output open keeps the script's caller waiting)
 ( trap 'kill $s 2>/dev/null; exit' TERM; sleep $((deadline > SECONDS ? deadline - SECONDS : 0)) & s=$!; wait $s; pkill -9 -f megatron_kcp ) &
 killer=$!
 wait "${pids[@]}"
