@@ -1,5 +1,10 @@
 """Megatron layer specs with KCP mixers: ``pretrain_gpt.py --spec megatron_kcp <name>``.
 
+``--spec megatron_kcp NAME`` and ``--spec megatron_kcp.spec NAME`` accept the same names: one of
+:data:`SPEC_NAMES`, and for the KDA hybrid ``NAME:OPTION=VALUE,...`` (:func:`spec_from_name`, e.g.
+``kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-6``), built on first use by the modules'
+``__getattr__``.
+
 Megatron's ``--spec MODULE NAME`` imports ``NAME`` from ``MODULE`` before the config exists, so the
 specs here are config-independent: every layer is one ``TransformerLayer`` whose mixer,
 :class:`HybridMixer`, becomes the linear mixer or softmax attention at construction, from
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_kcp import SPEC_NAMES, is_spec_name, split_spec_name
 from megatron_kcp.environment import te_available
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
@@ -89,7 +95,7 @@ def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
 
 
 def kda_mixer_spec(backend=None, **options) -> ModuleSpec:
-    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``, ``exchange``) go to its constructor."""
+    """The KCP KDA mixer; ``options`` (``kda_gate_rank``, ``kda_norm_eps``, ``strategy``) go to its constructor."""
     from megatron_kcp.layers.kda import KCPKimiDeltaAttention, KDASubmodules
     backend = backend or backend_provider()
     return ModuleSpec(module=KCPKimiDeltaAttention, params=options, submodules=KDASubmodules(
@@ -138,33 +144,53 @@ def kda_hybrid_layer_spec_with(**options) -> ModuleSpec:
     return hybrid_layer_spec(kda_mixer_spec(**options))
 
 
-def spec_from_name(name: str) -> ModuleSpec:
-    """``NAME`` or ``NAME:option=value,...``, as ``--spec megatron_kcp <name>`` gives it, e.g.
-    ``kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-5``. ValueError naming the fix otherwise."""
+def spec_from_name(name: str, where: str | None = None) -> ModuleSpec:
+    """``NAME`` or ``NAME:option=value,...``, as ``--spec megatron_kcp[.spec] <name>`` gives it, e.g.
+    ``kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-5``. A name with options is built once and
+    kept in this module's namespace (the same object through either module path). ValueError naming the
+    fix otherwise, its message starting with ``where`` (default ``--spec megatron_kcp NAME``)."""
     from megatron_kcp.layers.kda import KDA_OPTIONS
-    base, _, text = name.partition(":")
-    if base not in SPEC_NAMES:
-        raise ValueError(f"--spec megatron_kcp {name}: unknown spec {base!r}; use one of {', '.join(SPEC_NAMES)}")
+    where = where or f"--spec megatron_kcp {name}"
+    base, text = split_spec_name(name, where)
     if not text:
         return globals()[base]
     if base != "kda_hybrid_layer_spec":
-        raise ValueError(f"--spec megatron_kcp {name}: {base} takes no options; options "
+        raise ValueError(f"{where}: {base} takes no options; options "
                          f"({', '.join(KDA_OPTIONS)}) go with kda_hybrid_layer_spec")
+    if name in globals():
+        return globals()[name]
     options = {}
     for item in text.split(","):
         key, eq, value = item.partition("=")
         if key not in KDA_OPTIONS or not eq:
-            raise ValueError(f"--spec megatron_kcp {name}: {item!r} is not OPTION=VALUE with OPTION one of "
-                             f"{', '.join(KDA_OPTIONS)}")
+            raise ValueError(f"{where}: {item!r} is not OPTION=VALUE with OPTION one of {', '.join(KDA_OPTIONS)}")
         kind = KDA_OPTIONS[key][0]
         try:
             options[key] = kind(value)
         except ValueError:
-            raise ValueError(f"--spec megatron_kcp {name}: {key}={value!r} is not a {kind.__name__}") from None
+            raise ValueError(f"{where}: {key}={value!r} is not a {kind.__name__}") from None
     try:
-        return kda_hybrid_layer_spec_with(**options)
+        built = kda_hybrid_layer_spec_with(**options)
     except ValueError as e:
-        raise ValueError(f"--spec megatron_kcp {name}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
+    globals()[name] = built
+    return built
+
+
+def __getattr__(name):
+    """``--spec megatron_kcp.spec NAME[:OPTIONS]``: the spec of that name (:func:`spec_from_name`), as
+    ``--spec megatron_kcp NAME[:OPTIONS]`` gives it. An unknown spec name raises ValueError, which stops
+    Megatron (its ``import_module`` passes over ImportError only)."""
+    if is_spec_name(name):
+        return spec_from_name(name, where=f"--spec megatron_kcp.spec {name}")
+    raise AttributeError(f"module 'megatron_kcp.spec' has no attribute {name!r}")
+
+
+# Megatron's unpatched import_module runs ``__import__(module, fromlist=[NAME])`` and then reads
+# ``vars(module)[NAME]``. The import machinery asks ``hasattr(module, NAME)``, and so runs __getattr__
+# above, which keeps the spec in this namespace, only for a package: an empty __path__ makes this module
+# one for that lookup (it has no submodules).
+__path__: list[str] = []
 
 
 # what `--spec megatron_kcp.spec <name>` imports (and, with patches/, the one-token `--spec megatron_kcp`)
@@ -176,9 +202,13 @@ try:
     # benchmarks and long-context runs compare against
     cp2hp_gdn_hybrid_layer_spec = hybrid_layer_spec(gdn_mixer_spec(module=GatedDeltaNet))
     # megatron-core has no KDA module: the KDA peer is our mixer with that all-to-all around its kernel
-    cp2hp_kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec(exchange="cp2hp"))
+    cp2hp_kda_hybrid_layer_spec = hybrid_layer_spec(kda_mixer_spec(strategy="cp2hp"))
 except ImportError as e:      # the mixers' modules (see NEEDS above)
     raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
-# every spec above, by name: what --spec megatron_kcp[.spec] NAME resolves (spec_from_name adds options)
-SPEC_NAMES = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))
+# every spec above, by name (megatron_kcp.SPEC_NAMES): what --spec megatron_kcp[.spec] NAME resolves
+# (spec_from_name adds options)
+_defined = tuple(name for name, value in list(globals().items()) if isinstance(value, ModuleSpec))
+if sorted(_defined) != sorted(SPEC_NAMES):
+    raise RuntimeError(f"megatron_kcp.spec defines the specs {_defined}, megatron_kcp.SPEC_NAMES lists {SPEC_NAMES}: "
+                       "list every spec there")

@@ -1,6 +1,8 @@
 """`--spec megatron_kcp.spec {gdn,kda}_hybrid_layer_spec` builds a GPTModel with the hybrid pattern."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,22 +133,40 @@ def test_invalid_kda_values_fail_at_construction(spec_name, config, match):
     ("kda_hybrid_layer_spec:gate_rank=64", "'gate_rank=64' is not OPTION=VALUE with OPTION one of kda_gate_rank"),
     ("gdn_hybrid_layer_spec:kda_gate_rank=64", "gdn_hybrid_layer_spec takes no options"),
 ])
-def test_bad_spec_names_stop_unpatched_megatron(name, match):
-    """Megatron's unpatched import_module passes over ImportError only: a ValueError stops the run."""
+@pytest.mark.parametrize("module", ["megatron_kcp", "megatron_kcp.spec"])
+def test_bad_spec_names_stop_unpatched_megatron(module, name, match):
+    """Megatron's unpatched import_module passes over ImportError only: a ValueError stops the run, and
+    it names the module path the user gave."""
     from megatron.core.transformer.spec_utils import import_module
-    with pytest.raises(ValueError, match=match):
-        import_module(["megatron_kcp", name])
+    with pytest.raises(ValueError, match=f"^--spec {module} {re.escape(name)}: .*{match}"):
+        import_module([module, name])
 
 
-def test_spec_names_resolve_unpatched():
+@pytest.mark.parametrize("module", ["megatron_kcp", "megatron_kcp.spec"])
+def test_spec_names_resolve_unpatched(module):
+    """Both module paths take every name, options included, through Megatron's unpatched import_module
+    (``__import__(module, fromlist=[name])``, then ``vars(module)[name]``) and through ``getattr`` (the
+    patched one): the same objects either way."""
+    import importlib
+
     from megatron.core.transformer.spec_utils import import_module
 
     import megatron_kcp.spec as spec
-    assert import_module(["megatron_kcp", "gdn_hybrid_layer_spec"]) is spec.gdn_hybrid_layer_spec
+    for name in spec.SPEC_NAMES:
+        assert import_module([module, name]) is getattr(spec, name)
     name = "kda_hybrid_layer_spec:kda_gate_rank=64,kda_norm_eps=1e-6"
-    kda = import_module(["megatron_kcp", name])
-    assert kda is import_module(["megatron_kcp", name])          # built once
+    kda = import_module([module, name])
+    assert kda is import_module([module, name]) is getattr(importlib.import_module(module), name)   # built once
+    assert kda is import_module(["megatron_kcp", name]) is import_module(["megatron_kcp.spec", name])
     assert kda.submodules.self_attention.submodules.linear.params == {"kda_gate_rank": 64, "kda_norm_eps": 1e-6}
+
+
+def test_spec_module_attributes_stay_ordinary():
+    """The spec lookup covers spec names only: other missing attributes are AttributeErrors, as usual."""
+    import megatron_kcp
+    import megatron_kcp.spec as spec
+    for module in (megatron_kcp, spec):
+        assert not hasattr(module, "no_such_thing") and not hasattr(module, "__wrapped__")
 
 
 def _two_forwards(name, module):
@@ -163,7 +183,7 @@ def _two_forwards(name, module):
 
 @pytest.mark.parametrize("module,name,expected", [
     ("megatron_kcp.spec", "gdn_hybrid_layer_spec", "KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout "
-     "zigzag_per_doc ([s, b] rows), exchange gather, kernels reference, layers local"),
+     "zigzag_per_doc ([s, b] rows), strategy gather, core reference (PyTorch), layers local"),
     ("megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16", "KCPKimiDeltaAttention (layer 1, kda_gate_rank=16, "
      "kda_norm_eps=1e-05), CP size 2, TP size 1, layout zigzag_per_doc"),
 ])
