@@ -7,6 +7,12 @@
 The trainer is ``megatron_kcp.train`` (pip-installed megatron-core only), or Megatron-LM's
 ``pretrain_gpt.py`` with ``--megatron-lm DIR``. Inconsistent sizes (world size, heads, sequence
 length) fail here, before any process starts. Arguments after ``--`` go to the trainer unchanged.
+
+A preset (configs/*.json) is a JSON object of Megatron's model sizes under their argument names
+(:data:`MODEL_KEYS`, positive integers; ``linear_attention_freq`` N >= 1 or a 0/1 list of
+``num_layers`` entries), ``spec`` (a name of :mod:`megatron_kcp.spec`, default
+``gdn_hybrid_layer_spec``; options allowed for the KDA spec: ``kda_hybrid_layer_spec:kda_gate_rank=64``)
+and ``_doc`` (a description). :func:`load_preset` checks them all.
 """
 from __future__ import annotations
 
@@ -18,12 +24,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp import split_spec_name
 from megatron_kcp.environment import no_te_args
+from megatron_kcp.sizes import check_head_dims, check_split
 
 MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "seq_length", "vocab_size")
+OTHER_KEYS = ("spec", "_doc")        # the layer spec (--spec megatron_kcp NAME), and a free-text description
+ALLOWED_KEYS = MODEL_KEYS + OTHER_KEYS
+DEFAULT_SPEC = "gdn_hybrid_layer_spec"
 
 
 # what the size checks and the command need; the rest falls back to Megatron's defaults
@@ -46,29 +56,56 @@ def load_preset(path: str | Path) -> dict:
                          "fix the file (configs/tiny-gdn.json shows the format)") from None
     if not isinstance(preset, dict):
         raise ValueError(f"preset {path}: must be a JSON object of model sizes, e.g. {{\"num_layers\": 4, ...}}")
-    unknown = set(preset) - set(MODEL_KEYS) - {"_doc", "spec"}
+    unknown = [k for k in preset if k not in ALLOWED_KEYS]
     if unknown:
-        raise ValueError(f"preset {path}: unknown keys {sorted(unknown)}; allowed: {MODEL_KEYS}")
+        raise ValueError(f"preset {path}: unknown keys {unknown}; the allowed keys are {', '.join(ALLOWED_KEYS)}")
     missing = [k for k in REQUIRED_KEYS if k not in preset]
     if missing:
         raise ValueError(f"preset {path}: missing keys {missing}; add them (configs/tiny-gdn.json has every key)")
+    check_preset_values(preset, f"preset {path}")
     return preset
 
 
-def check_split(sizes: dict, tp: int, cp: int, sequence_parallel: bool, name=str, tp_flag: str = "--tp"):
-    """Heads divisible by TP, value heads a multiple of q/k heads, and a sequence that Megatron's zigzag
-    split can cut (2 x CP, times TP under sequence parallelism); ValueError naming the fix otherwise.
-    ``name`` spells a size the way the user wrote it (preset key or command-line flag)."""
-    for key in ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"):
-        if sizes.get(key) is not None and sizes[key] % tp:
-            raise ValueError(f"{name(key)} {sizes[key]} is not divisible by {tp_flag} {tp} "
-                             "(the CP size needs no such match)")
-    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
-        raise ValueError(f"{name('linear_num_value_heads')} must be a multiple of {name('linear_num_key_heads')}")
-    unit = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
-    if sizes["seq_length"] % unit:
-        raise ValueError(f"{name('seq_length')} {sizes['seq_length']} must be a multiple of {unit} (2 x CP for "
-                         "Megatron's zigzag split" + (", times TP for sequence parallelism)" if sequence_parallel else ")"))
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_preset_values(preset: dict, where: str) -> None:
+    """Every size a positive integer, ``linear_attention_freq`` N >= 1 or a 0/1 list of ``num_layers``
+    entries, ``spec`` a spec name of :mod:`megatron_kcp.spec` (options for the KDA spec);
+    ValueError starting with ``where`` and naming the fix otherwise."""
+    for key in MODEL_KEYS:
+        value = preset.get(key)
+        if key == "linear_attention_freq" or key not in preset:
+            continue
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{where}: \"{key}\": {json.dumps(value)} is not a positive integer; "
+                             f"write a whole number >= 1, e.g. \"{key}\": 4")
+    if "linear_attention_freq" in preset:
+        freq, layers = preset["linear_attention_freq"], preset["num_layers"]
+        pattern_ok = (isinstance(freq, list) and len(freq) == layers
+                      and all(_is_int(x) and x in (0, 1) for x in freq))
+        if not (_is_int(freq) and freq >= 1 or pattern_ok):
+            raise ValueError(f"{where}: \"linear_attention_freq\": {json.dumps(freq)} is neither an integer N >= 1 "
+                             f"(every Nth layer is softmax attention) nor a list of num_layers={layers} entries of "
+                             "1 (linear) or 0 (softmax attention)")
+    if "_doc" in preset and not isinstance(preset["_doc"], str):
+        raise ValueError(f"{where}: \"_doc\" must be a string (a description of the preset)")
+    if "spec" in preset:
+        check_spec_name(preset["spec"], where)
+
+
+def check_spec_name(name, where: str) -> None:
+    """``name`` is one of :data:`megatron_kcp.SPEC_NAMES`, with options only for the KDA spec
+    (``kda_hybrid_layer_spec:kda_gate_rank=64``), which are checked by building that spec (importing
+    megatron-core; a plain name does not)."""
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: \"spec\": {json.dumps(name)} is not a string; write a spec name, "
+                         f"e.g. \"spec\": \"{DEFAULT_SPEC}\"")
+    where = f"{where}: \"spec\": {json.dumps(name)}"
+    if split_spec_name(name, where)[1]:       # the options are the KDA mixer's: their check imports megatron-core
+        from megatron_kcp.spec import spec_from_name
+        spec_from_name(name, where)
 
 
 def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_parallel: bool) -> int:
@@ -76,9 +113,7 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
     if world % (tp * cp * pp):
         raise ValueError(f"world size {world} is not a multiple of TP*CP*PP = {tp}*{cp}*{pp}: change "
                          "--nproc-per-node/--nnodes or the parallel sizes")
-    for key in ("linear_key_head_dim", "linear_value_head_dim"):
-        if p[key] > MAX_HEAD_DIM:
-            raise ValueError(f"{key}={p[key]} exceeds the kernels' limit of {MAX_HEAD_DIM}")
+    check_head_dims(p)
     if p["num_layers"] % pp:
         raise ValueError(f"num_layers={p['num_layers']} is not divisible by --pp {pp}")
     check_split(p, tp, cp, sequence_parallel)
@@ -86,7 +121,7 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
 
 
 def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -> list[str]:
-    args = ["--spec", "megatron_kcp", p.get("spec", "gdn_hybrid_layer_spec")]
+    args = ["--spec", "megatron_kcp", p.get("spec", DEFAULT_SPEC)]
     for key in MODEL_KEYS:
         if key in p and key not in ("vocab_size",):
             args += [f"--{key.replace('_', '-')}", str(p[key])]
@@ -119,6 +154,8 @@ def build_command(a) -> list[str]:
     else:
         if not a.master_addr:
             raise ValueError("multi-node runs need --master-addr (or MASTER_ADDR) of the rank-0 node")
+        if not 0 <= a.node_rank < a.nnodes:
+            raise ValueError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1} (--nnodes {a.nnodes})")
         run += [f"--node-rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}"]
     model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel)
     if a.fp32:

@@ -20,9 +20,10 @@ from functools import partial
 
 import torch
 
-from megatron_kcp.launch import check_split
-from megatron_kcp.spec import SPEC_NAMES, spec_from_name
+from megatron_kcp import SPEC_NAMES
 from megatron_kcp.environment import no_te_args, te_available
+from megatron_kcp.sizes import check_head_dims, check_split
+from megatron_kcp.spec import spec_from_name
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 
@@ -52,13 +53,10 @@ def validate_kcp_args(args):
     if len(spec) != 2 or spec[0] not in ("megatron_kcp", "megatron_kcp.spec") or base not in SPEC_NAMES:
         raise ValueError(f"--spec {' '.join(spec)}: megatron_kcp.train builds the KCP hybrids only; use "
                          f"--spec megatron_kcp {{{','.join(SPEC_NAMES)}}} (or pretrain_gpt.py for others)")
-    if spec_options:
-        if spec[0] != "megatron_kcp":       # Megatron reads megatron_kcp.spec's names as they are, no options
-            raise ValueError(f"--spec {' '.join(spec)}: a spec with options is named through the package: "
-                             f"--spec megatron_kcp {spec[-1]}")
-        spec_from_name(spec[-1])
+    if spec_options:                # both module paths take options (megatron_kcp.spec_from_name)
+        spec_from_name(spec[-1], where=f"--spec {' '.join(spec)}")
         if args.kda_gate_rank is not None or args.kda_norm_eps is not None:
-            raise ValueError(f"--spec megatron_kcp {spec[-1]} sets KDA options: drop --kda-gate-rank/--kda-norm-eps "
+            raise ValueError(f"--spec {' '.join(spec)} sets KDA options: drop --kda-gate-rank/--kda-norm-eps "
                              "(or the options in the spec name)")
     if getattr(args, "experimental_attention_variant", None):
         raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
@@ -72,11 +70,12 @@ def validate_kcp_args(args):
         raise ValueError("--save needs --save-interval N (steps between checkpoints)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     sizes = {**vars(args), "num_query_groups": args.num_query_groups if args.group_query_attention else None}
-    check_split(sizes, tp, cp, args.sequence_parallel, name=lambda k: "--" + k.replace("_", "-"),
-                tp_flag="--tensor-model-parallel-size")
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    check_split(sizes, tp, cp, args.sequence_parallel, name=flag, tp_flag="--tensor-model-parallel-size")
+    check_head_dims(sizes, name=flag)
     is_kda = "kda" in base
     if not is_kda and (args.kda_gate_rank is not None or args.kda_norm_eps is not None):
-        raise ValueError("--kda-gate-rank/--kda-norm-eps apply to the KDA spec only: use --spec megatron_kcp.spec "
+        raise ValueError("--kda-gate-rank/--kda-norm-eps apply to the KDA spec only: use --spec megatron_kcp "
                          "kda_hybrid_layer_spec or drop them")
     if is_kda and args.kda_gate_rank is not None and (args.kda_gate_rank < 1 or args.kda_gate_rank % tp):
         raise ValueError(f"--kda-gate-rank {args.kda_gate_rank} must be a positive multiple of the TP size {tp}")

@@ -1,6 +1,7 @@
 """The launcher: presets, size checks that name the fix, and the command it would run."""
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
@@ -79,7 +80,8 @@ def test_sequence_length_must_split_zigzag(tmp_path, capsys):
     ('{"num_layers": 4,', r"preset .*bad\.json: not valid JSON \(.* at line 1, column \d+\): fix the file"),
     ('[4, 256]', r"preset .*bad\.json: must be a JSON object"),
     ('{"num_layers": 4, "hidden_size": 256}', r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
-    ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]"),
+    ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]; the allowed keys are num_layers, "
+                         r"hidden_size, .*, vocab_size, spec, _doc$"),
 ])
 def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
     path = tmp_path / ("nope.json" if text is None else "bad.json")
@@ -103,3 +105,79 @@ def test_megatron_lm_command_without_te_turns_off_te_fusions(te, capsys, monkeyp
     own = _dry(capsys, str(CONFIGS / "tiny-gdn.json"), "--megatron-lm", "/opt/Megatron-LM", "--",
                "--transformer-impl", "transformer_engine")
     assert own.count("--transformer-impl") == 1 and own[own.index("--transformer-impl") + 1] == "transformer_engine"
+
+
+def _preset(tmp_path, **change):
+    """tiny-gdn.json with ``change`` applied (a value of None drops the key)."""
+    preset = json.loads((CONFIGS / "tiny-gdn.json").read_text())
+    preset.update(change)
+    path = tmp_path / "changed.json"
+    path.write_text(json.dumps({k: v for k, v in preset.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"num_layers": "four"}, r'"num_layers": "four" is not a positive integer; write a whole number >= 1'),
+    ({"hidden_size": 0}, r'"hidden_size": 0 is not a positive integer'),
+    ({"seq_length": -4096}, r'"seq_length": -4096 is not a positive integer'),
+    ({"linear_num_key_heads": 2.5}, r'"linear_num_key_heads": 2.5 is not a positive integer'),
+    ({"vocab_size": True}, r'"vocab_size": true is not a positive integer'),
+    ({"num_query_groups": None, "kv_channels": 0}, r'"kv_channels": 0 is not a positive integer'),
+    ({"linear_attention_freq": 0}, r'"linear_attention_freq": 0 is neither an integer N >= 1 .* nor a list of '
+                                   r"num_layers=4 entries of 1 \(linear\) or 0"),
+    ({"linear_attention_freq": [1, 1, 0]}, r'"linear_attention_freq": \[1, 1, 0\] is neither'),
+    ({"linear_attention_freq": [1, 2, 1, 0]}, r'"linear_attention_freq": \[1, 2, 1, 0\] is neither'),
+    ({"linear_attention_freq": "4"}, r'"linear_attention_freq": "4" is neither'),
+    ({"spec": "gdn_hybrd_layer_spec"},
+     r'"spec": "gdn_hybrd_layer_spec": unknown spec .*; use one of gdn_hybrid_layer_spec, kda_hybrid_layer_spec'),
+    ({"spec": 4}, r'"spec": 4 is not a string; write a spec name, e.g. "spec": "gdn_hybrid_layer_spec"'),
+    ({"spec": "gdn_hybrid_layer_spec:kda_gate_rank=32"},
+     r'"spec": "gdn_hybrid_layer_spec:kda_gate_rank=32": gdn_hybrid_layer_spec takes no options'),
+    ({"spec": "kda_hybrid_layer_spec:kda_gate_rank=0"},
+     r'"spec": "kda_hybrid_layer_spec:kda_gate_rank=0": kda_gate_rank=0: must be a positive int'),
+    ({"_doc": ["a", "list"]}, r'"_doc" must be a string'),
+])
+def test_bad_preset_values_fail_before_start(change, match, tmp_path, capsys):
+    """Wrong types, non-positive sizes and unknown spec names stop --dry-run too, naming the file and the fix."""
+    path = _preset(tmp_path, **change)
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--dry-run", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(f"preset {re.escape(str(path))}: " + match, err), err
+
+
+@pytest.mark.parametrize("change", [
+    {"linear_attention_freq": [1, 0, 1, 0]},
+    {"spec": "kda_hybrid_layer_spec:kda_gate_rank=32,kda_norm_eps=1e-6"},
+    {"spec": "cp2hp_gdn_hybrid_layer_spec"},
+    {"spec": None, "_doc": None, "linear_attention_freq": None, "ffn_hidden_size": None},
+])
+def test_good_preset_values_pass(change, tmp_path, capsys):
+    cmd = _dry(capsys, str(_preset(tmp_path, **change)))
+    i = cmd.index("--spec")
+    assert cmd[i + 1:i + 3] == ["megatron_kcp", change.get("spec") or "gdn_hybrid_layer_spec"]
+    if isinstance(change.get("linear_attention_freq"), list):      # Megatron's la_freq_type reads the list text
+        assert cmd[cmd.index("--linear-attention-freq") + 1] == "[1, 0, 1, 0]"
+
+
+def test_node_rank_within_nnodes(capsys):
+    with pytest.raises(SystemExit):
+        launch.main(["--dry-run", str(CONFIGS / "tiny-gdn.json"), "--nnodes", "2", "--node-rank", "2",
+                     "--master-addr", "n0"])
+    assert "--node-rank 2 is outside 0..1 (--nnodes 2)" in capsys.readouterr().err
+
+
+def test_trainer_does_not_import_the_launcher():
+    """The size checks both use live in megatron_kcp.sizes: no module of the package imports the launcher
+    (so the trainer does not, directly or through another module)."""
+    import ast
+    package = CONFIGS.parent / "megatron_kcp"
+    importers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            if "megatron_kcp.launch" in names:
+                importers.append(str(path.relative_to(package)))
+    assert importers == [], importers

@@ -46,14 +46,26 @@ def test_one_token_spec_is_the_default_hybrid():
     (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
     (["--dataloader-inter-document-masking"], "pretrain_gpt.py with the KCP spec"),
     (["--save", "/tmp/kcp-ckpt"], "--save needs --save-interval"),
-    (["--spec", "megatron_kcp.spec", "kda_hybrid_layer_spec:kda_gate_rank=32"], "named through the package"),
     (["--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=32", "--kda-gate-rank", "32"], "in the spec name"),
+    (["--spec", "megatron_kcp.spec", "kda_hybrid_layer_spec:kda_gate_rank=32", "--kda-norm-eps", "1e-6"],
+     "in the spec name"),
     (["--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=-2"], "kda_gate_rank=-2: must be a positive int"),
+    (["--spec", "megatron_kcp.spec", "kda_hybrid_layer_spec:kda_gate_rank=-2"],
+     "^--spec megatron_kcp.spec kda_hybrid_layer_spec:kda_gate_rank=-2: kda_gate_rank=-2: must be a positive int"),
+    (["--spec", "megatron_kcp.spec", "gdn_hybrid_layer_spec:kda_gate_rank=32"], "takes no options"),
+    (["--linear-key-head-dim", "512"], "--linear-key-head-dim 512 exceeds the kernels' limit of 256"),
     (["--spec", "megatron_kcp", "kda_hybrid_layer_spec", "--kda-norm-eps", "0"], "--kda-norm-eps 0.0 must be a positive"),
 ])
 def test_bad_options_fail_at_startup_naming_the_fix(change, match):
     with pytest.raises(ValueError, match=match):
         train.read_args(_argv() + change)
+
+
+@pytest.mark.parametrize("module", ["megatron_kcp", "megatron_kcp.spec"])
+def test_spec_options_through_either_module(module):
+    """--spec megatron_kcp NAME:OPTIONS and --spec megatron_kcp.spec NAME:OPTIONS both pass the startup checks."""
+    name = "kda_hybrid_layer_spec:kda_gate_rank=32,kda_norm_eps=1e-6"
+    assert train.read_args(_argv("tiny-kda.json") + ["--spec", module, name]).spec == [module, name]
 
 
 def test_kda_gate_rank_must_divide_by_tp():
@@ -159,7 +171,7 @@ def _builds_cp2hp_peer(model):
     if model == "gdn":
         assert type(mixer).__name__ == "GatedDeltaNet"
     else:           # megatron-core has no KDA module: ours, with the all-to-all around its kernel
-        assert type(mixer).__name__ == "KCPKimiDeltaAttention" and mixer.exchange == "cp2hp"
+        assert type(mixer).__name__ == "KCPKimiDeltaAttention" and mixer.strategy == "cp2hp"
 
 
 @pytest.mark.parametrize("model", ["gdn", "kda"])
