@@ -17,13 +17,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron_kcp.ops import kcp
-from megatron_kcp.parallel.plan import build_plan, local_token_index
+from megatron_kcp.parallel.plan import build_plan, check_cu_seqlens, local_token_index
+
+CONV = 4        # the short conv's kernel size
 
 
 class TinyDeltaLM(torch.nn.Module):
     """embed -> short conv on q/k/v -> gated delta rule -> out proj -> head, one layer."""
 
-    def __init__(self, vocab=64, hidden=32, heads=2, head_dim=16, conv=4, kda=False):
+    def __init__(self, vocab=64, hidden=32, heads=2, head_dim=16, conv=CONV, kda=False):
         super().__init__()
         self.heads, self.dk, self.kda = heads, head_dim, kda
         d = heads * head_dim
@@ -80,11 +82,11 @@ def _rank(rank, args, port):
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(context_parallel_size=args.cp)
     cu, tokens, labels = _data(args)
-    plan = build_plan(cu, args.layout, args.cp, ps.get_context_parallel_rank(), 4)
+    plan = build_plan(cu, args.layout, args.cp, ps.get_context_parallel_rank(), CONV)
     idx = local_token_index(plan)
     losses = train(args, plan, ps.get_context_parallel_group(), tokens[:, idx], labels[:, idx])
     if rank == 0:
-        single = train(args, build_plan(cu, "contiguous", 1, 0, 4), None, tokens, labels)
+        single = train(args, build_plan(cu, "contiguous", 1, 0, CONV), None, tokens, labels)
         print(f"{args.model.upper()} tiny LM, cu_seqlens={list(cu)}, layout={args.layout}")
         print(f"{'step':>4}  {'loss CP=' + str(args.cp):>12}  {'loss CP=1':>12}  {'rel diff':>9}")
         for i, (a, b) in enumerate(zip(losses, single)):
@@ -93,17 +95,44 @@ def _rank(rank, args, port):
     dist.destroy_process_group()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cp", type=int, default=2)
-    p.add_argument("--model", choices=("gdn", "kda"), default="gdn")
-    p.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "zigzag_per_doc"))
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--cu-seqlens", type=int, nargs="+", default=[0, 40, 200, 256])
-    args = p.parse_args(argv)
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Everything the ranks would trip over, checked before they are spawned: ``p.error`` (one line,
+    exit 2) naming the fix."""
     if args.cp < 2:
         p.error("--cp must be >= 2 (the CP=1 run is printed beside it)")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: must be >= 1 (the number of training steps)")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr {args.lr}: must be a positive number (the SGD learning rate)")
+    cu = args.cu_seqlens
+    if len(cu) < 2:
+        p.error(f"--cu-seqlens {' '.join(map(str, cu))}: holds no sequence; give the document boundaries "
+                "0 len_0 len_0+len_1 ... (at least two numbers, e.g. --cu-seqlens 0 40 200 256)")
+    given = f"--cu-seqlens {' '.join(map(str, cu))}"
+    try:
+        cu = check_cu_seqlens(cu)
+    except ValueError as e:
+        p.error(f"{given}: {e}")
+    try:
+        for rank in range(args.cp):     # every rank's plan (its layout pieces): what each spawned rank builds
+            build_plan(cu, args.layout, args.cp, rank, CONV)
+    except ValueError as e:
+        p.error(f"{given} with --cp {args.cp} --layout {args.layout}: {e}; or change --cu-seqlens, --cp or --layout")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_kcp.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--cp", type=int, default=2, help="CP ranks (gloo processes), >= 2")
+    p.add_argument("--model", choices=("gdn", "kda"), default="gdn")
+    p.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "zigzag_per_doc"))
+    p.add_argument("--steps", type=int, default=5, help="training steps, >= 1")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate, > 0")
+    p.add_argument("--cu-seqlens", type=int, nargs="+", default=[0, 40, 200, 256],
+                   help="document boundaries of the packed sequence: 0, then the running total of the document "
+                        "lengths; the total a multiple of 2*CP (zigzag) or CP (contiguous), every document "
+                        "a multiple of 2*CP (zigzag_per_doc)")
+    args = p.parse_args(argv)
+    check_args(p, args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
