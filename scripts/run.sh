@@ -3,7 +3,8 @@
 # Megatron's mock data, CP = every GPU of this machine, a progress line per step (loss, tokens/s,
 # peak memory). Without: the CPU demonstration (a tiny GDN and KDA LM trained with KCP over 2 gloo
 # ranks, loss per step beside the CP=1 run). Arguments go to the trainer (GPU) or to
-# `python -m megatron_kcp.demo` (CPU); STEPS sets the GPU run's length (default 20).
+# `python -m megatron_kcp.demo` (CPU). STEPS=N sets the number of training steps of either run
+# (GPU: --train-iters, default 20; CPU: the demo's --steps, default 5).
 source "$(dirname "$0")/env.sh"
 export PYTHONWARNINGS=ignore
 gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
@@ -13,6 +14,6 @@ if [ "$gpus" -gt 0 ]; then
       --train-iters "${STEPS:-20}" --lr-decay-iters "${STEPS:-20}" "$@" 2>&1 | grep --line-buffered -E "\[kcp\]|Error|error:"
   done
 else
-  python -m megatron_kcp.demo --model gdn "$@"
-  python -m megatron_kcp.demo --model kda "$@"
+  python -m megatron_kcp.demo --model gdn --steps "${STEPS:-5}" "$@"
+  python -m megatron_kcp.demo --model kda --steps "${STEPS:-5}" "$@"
 fi
