@@ -35,6 +35,7 @@ def smoke(tmp_path_factory):
         return run.stdout, list(csv.DictReader(f)), path
 
 
+@pytest.mark.slow
 def test_smoke_prints_and_writes_every_row(smoke):
     stdout, rows, path = smoke
     assert list(rows[0]) == list(COLUMNS)
@@ -159,6 +160,7 @@ def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
     assert all(float(ln.split()[-1]) == pytest.approx(1.0) for ln in out.splitlines() if " kcp-gather " in ln)
 
 
+@pytest.mark.slow
 def test_profile_prints_the_kernel_tables():
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "profile",
                           "--models", "GDN", "--docs", "single", "--warmup", "1", "--layouts", "zigzag",

@@ -10,6 +10,10 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FAKE_LAUNCH = '''

@@ -116,6 +116,7 @@ def _pretrain_gpt_builds(index, tmp_dir):
         assert first.f_proj[0].weight.shape[0] == 32 and first.o_norm.eps == 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_readme_commands_build_the_hybrids_as_pretrain_gpt_does(index, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -134,6 +135,7 @@ def _stops_without_te_flags():
         core_transformer_config_from_args(args)
 
 
+@pytest.mark.slow
 def test_without_te_the_flags_are_needed(monkeypatch):
     """What `MEGATRON_LM=... scripts/train_single_node.sh` hit before the launcher added the flags."""
     if te_available():
@@ -189,6 +191,7 @@ def test_real_pretrain_gpt_step_equals_the_entrys(index, monkeypatch, capfd):
     assert f"[megatron_kcp] KCP active: {mixer}" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_spec_import_skips_the_wheels_make_of_built_helpers(tmp_path, monkeypatch):
     """pretrain_gpt.py next to the wheel: Megatron's startup `make` has no Makefile there and exits; the
     spec, imported first, skips it when the helpers are built. A checkout's Makefile is left alone."""

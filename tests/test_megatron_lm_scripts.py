@@ -13,7 +13,11 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 from tests.test_megatron_lm import readme_commands
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATH = f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"

@@ -17,6 +17,8 @@ import torch
 from megatron_kcp.testing.distributed import rel_err, spawn
 from tests.test_train import _small_model, entry_step
 
+pytestmark = pytest.mark.slow
+
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 SELECTIVE = ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp")
 PP_SIZES = ("--num-layers", "4", "--linear-attention-freq", "4", "--hidden-size", "64", "--seq-length", "64",

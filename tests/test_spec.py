@@ -49,6 +49,7 @@ def test_hybrid_gpt_model(freq, expected):
     spawn(_build_and_run, 1, freq, expected)
 
 
+@pytest.mark.slow
 def test_kda_hybrid_gpt_model():
     spawn(_build_and_run, 1, 2, ["kda", "attn", "kda", "attn"], "kda_hybrid_layer_spec")
 
@@ -75,6 +76,7 @@ def _cp_loss(path):
         torch.save({"loss": loss, "grad": grad}, path)
 
 
+@pytest.mark.slow
 def test_hybrid_gpt_model_cp2_matches_cp1(tmp_path):
     """Without TE the hybrid's softmax layers run at CP > 1 (CPDotProductAttention): same loss and gradient."""
     spawn(_cp_loss, 1, tmp_path / "cp1.pt")
@@ -105,6 +107,7 @@ def _kda_options_reach_the_mixer():
     assert plain.decoder.layers[0].self_attention.options == {"kda_gate_rank": None, "kda_norm_eps": 1e-5}
 
 
+@pytest.mark.slow
 def test_kda_options_through_the_spec_name():
     spawn(_kda_options_reach_the_mixer, 1)
 
@@ -120,6 +123,7 @@ def _bad_kda_value_fails_at_construction(spec_name, config, match):
     ("kda_hybrid_layer_spec", {"kda_norm_eps": -1e-5}, "kda_norm_eps=-1e-05: must be a positive float"),
     ("kda_hybrid_layer_spec:kda_gate_rank=16", {"kda_gate_rank": 8}, "the layer spec says 16, the config 8"),
 ])
+@pytest.mark.slow
 def test_invalid_kda_values_fail_at_construction(spec_name, config, match):
     """Never a silent default: KDAConfig's kda_gate_rank=0 used to fall back to the value head dim."""
     spawn(_bad_kda_value_fails_at_construction, 1, spec_name, config, match)
@@ -194,6 +198,7 @@ def test_kcp_active_line_once_on_rank_0(module, name, expected, capfd):
     assert len(lines) == 1 and lines[0].startswith("[megatron_kcp] KCP active: " + expected), lines
 
 
+@pytest.mark.slow
 def test_missing_dependency_stops_unpatched_megatron():
     """An ImportError inside megatron_kcp.spec would make Megatron train its default GPT: it is a RuntimeError."""
     import subprocess

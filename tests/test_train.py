@@ -115,6 +115,7 @@ def _build_and_run(preset, extra):
     assert torch.isfinite(loss).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,extra", [
     ("tiny-gdn.json", ()), ("tiny-kda.json", ("--kda-gate-rank", "16", "--kda-norm-eps", "1e-6")),
     ("tiny-kda.json", ("--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16,kda_norm_eps=1e-6"))])
@@ -150,6 +151,7 @@ def _training_step(preset, out):
         torch.save(result, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-gdn.json", "tiny-kda.json"])
 def test_entry_training_step_cp2_equals_cp1(preset, tmp_path, monkeypatch):
     """Loss and every gradient of the hybrid (linear mixers, softmax attention with RoPE, MLPs,
@@ -174,6 +176,7 @@ def _builds_cp2hp_peer(model):
         assert type(mixer).__name__ == "KCPKimiDeltaAttention" and mixer.strategy == "cp2hp"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 def test_entry_builds_the_cp2hp_peer(model):
     spawn(_builds_cp2hp_peer, 1, model)

@@ -180,9 +180,12 @@ def check_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
                              f"and dtype {cu_seqlens.dtype}")
         cu_seqlens = _cu_list(cu_seqlens)[0] if batched else _cu_list(cu_seqlens)
     cu = tuple(int(x) for x in cu_seqlens)
-    if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 and hold at least one sequence, got {list(cu[:4])}...: "
-                         "prepend 0 (cu_seqlens = [0, len_0, len_0 + len_1, ...])")
+    if len(cu) < 2:
+        raise ValueError(f"cu_seqlens {list(cu)} holds no sequence: give the offsets [0, len_0, len_0 + len_1, ...] "
+                         "of at least one")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 (got {list(cu[:4])}...): prepend 0 "
+                         "(cu_seqlens = [0, len_0, len_0 + len_1, ...])")
     if any(b <= a for a, b in zip(cu, cu[1:])):
         i = next(i for i, (a, b) in enumerate(zip(cu, cu[1:])) if b <= a)
         raise ValueError(f"cu_seqlens must be strictly increasing, but cu_seqlens[{i}]={cu[i]} >= "

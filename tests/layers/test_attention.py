@@ -7,6 +7,8 @@ import torch
 
 from megatron_kcp.testing.distributed import rel_err, spawn
 
+pytestmark = pytest.mark.slow
+
 HEADS, GROUPS, HEAD_DIM, BATCH = 4, 2, 8, 2
 
 

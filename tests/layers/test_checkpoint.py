@@ -9,6 +9,8 @@ from megatron_kcp.layers.attention import gather_zigzag
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.layers import CPU, build, config, zigzag_rows
 
+pytestmark = pytest.mark.slow
+
 
 def _full_output(mod, cp, cp_rank, group):
     x = torch.randn(CPU.seq, CPU.batch, CPU.hidden, generator=torch.Generator().manual_seed(5))

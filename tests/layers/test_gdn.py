@@ -14,6 +14,7 @@ def test_tp2_cp2_matches_tp1_cp1():
     spawn(compare_tp_cp, 4, "gdn", CPU, 2, tp=2)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_tp2_cp2_matches_tp1_cp1():
     spawn(compare_tp_cp, 4, "gdn", CPU, 2, True, tp=2)
 
@@ -29,6 +30,7 @@ def _cp_beyond_heads():
         gdn(torch.randn(shape.seq // 4, shape.batch, shape.hidden), None)
 
 
+@pytest.mark.slow
 def test_cp_larger_than_head_count():
     spawn(_cp_beyond_heads, 4)
 
@@ -54,6 +56,7 @@ def _same_as_megatron_gdn():
     assert list(theirs.sharded_state_dict().keys()) == list(ours.sharded_state_dict().keys())
 
 
+@pytest.mark.slow
 def test_same_function_and_checkpoint_as_megatron_gdn():
     spawn(_same_as_megatron_gdn, 1)
 
@@ -65,5 +68,6 @@ def _gdn_bad_configs():
         build("gdn", config("gdn", replace(CPU, heads=(3, 6)), 1, 2), pg)
 
 
+@pytest.mark.slow
 def test_gdn_bad_config_fails_at_construction():
     spawn(_gdn_bad_configs, 2, tp=2)

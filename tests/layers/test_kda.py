@@ -13,10 +13,12 @@ def test_kda_tp2_cp2_matches_tp1_cp1():
     spawn(compare_tp_cp, 4, "kda", CPU, 2, tp=2)
 
 
+@pytest.mark.slow
 def test_kda_sequence_parallel_tp2_cp2():
     spawn(compare_tp_cp, 4, "kda", CPU, 2, True, tp=2)
 
 
+@pytest.mark.slow
 def test_kda_cp4():
     spawn(compare_tp_cp, 4, "kda", CPU, 1)
 
@@ -31,6 +33,7 @@ def _cp2hp_tp2_cp2():
               ProcessGroupCollection.use_mpu_process_groups(), exchange="cp2hp")
 
 
+@pytest.mark.slow
 def test_kda_cp2hp_tp2_cp2_matches_tp1_cp1():
     spawn(_cp2hp_tp2_cp2, 4, tp=2)
 
@@ -44,5 +47,6 @@ def _bad_configs():
         build("kda", config("kda", CPU, 1, 2, linear_num_key_heads=3, linear_num_value_heads=6), pg)
 
 
+@pytest.mark.slow
 def test_kda_bad_config_fails_at_construction():
     spawn(_bad_configs, 2, tp=2)

@@ -93,13 +93,13 @@ def test_qla_refuses_what_it_cannot_run(case, match):
     assert not environment.qla_runs(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
 
 
-def _qla_cases(layouts):
+def _qla_cases(layouts, kinds=("random", "single", "edges", "tiny"), piece=None):
     from megatron_kcp.testing import qla_contracts
     qla_contracts.install()
     group = cp_group()
     W = dist.get_world_size(group)
     for layout in layouts:
-        for seed, kind in enumerate(("random", "single", "edges", "tiny")):
+        for seed, kind in enumerate(kinds):
             gen = torch.Generator().manual_seed(seed)
             cu = random_cu_seqlens(gen, layout, W, kind)
             xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4, 8, 6, False)   # grouped heads: HV = 2H
@@ -110,7 +110,7 @@ def _qla_cases(layouts):
                     bad = {k: v for k, v in errs.items() if not v <= TOL}
                     assert not bad, f"qla {layout} {kind} {strategy} cut={cut} init={init is not None} cu={cu}: {bad}"
         gen = torch.Generator().manual_seed(7 + W)
-        cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
+        cu = long_memory_cu(gen, W, piece=piece or (48 if layout == "zigzag_per_doc" else 140))
         xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, False)
         errs = compare_with_oracle(cu, xs, None, layout, "auto", True, group, W, backend="qla")
         assert max(errs.values()) <= TOL, f"qla {layout} long memory: {errs}"
@@ -123,6 +123,12 @@ def _qla_cases(layouts):
         assert not weak, f"qla {layout} W={W}: without the exchange these still match: {weak}"
 
 
+def test_qla_core_matches_oracle_quick():
+    """The default tier's: W = 2, every layout, random cuts and the long-memory batch with its control."""
+    spawn(_qla_cases, 2, LAYOUTS, ("random",), 8)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_qla_core_matches_oracle(world_size):
     spawn(_qla_cases, world_size, LAYOUTS)

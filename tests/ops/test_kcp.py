@@ -37,6 +37,7 @@ def _random_cases(layout, seeds):
             assert not bad, f"conv {layout} {kind} seed={seed}: {bad}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kcp_matches_single_process(layout, world_size):
@@ -44,42 +45,53 @@ def test_kcp_matches_single_process(layout, world_size):
     spawn(_random_cases, world_size, layout, [world_size * 10])
 
 
-def _long_memory(layout, kda):
+def _long_memory(cases, piece=None):
+    """For each (layout, kda): both strategies against the oracle, and the control with the exchange off.
+    ``piece``: tokens of a zigzag chunk per 2W (None: over 50 documents a rank, see ``long_memory_cu``)."""
     group = cp_group()
     W = dist.get_world_size(group)
-    gen = torch.Generator().manual_seed(7 + W)
-    # per-document zigzag puts every document on every rank: fewer of them still makes over 50 a rank
-    cu = long_memory_cu(gen, W, piece=48 if layout == "zigzag_per_doc" else 140)
-    xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, kda)
-    for strategy in STRATEGIES:
-        errs = compare_with_oracle(cu, xs, None, layout, strategy, True, group, seed=W)
-        bad = {k: v for k, v in errs.items() if not v <= TOL}
-        assert not bad, f"{layout} W={W} {strategy} kda={kda}: {bad}"
-    conv = conv_errors(cu, layout, W, group)
-    assert max(conv.values()) <= TOL, f"conv {layout} W={W}: {conv}"
-    # the negative control: the same comparisons with the exchange switched off must fail
-    restore = exchange_off()
-    try:
-        off = compare_with_oracle(cu, xs, None, layout, "relay", True, group, seed=W)
-        conv_off = conv_errors(cu, layout, W, group)
-    finally:
-        restore()
-    weak = {k: v for k, v in {**off, **{"conv_" + k: v for k, v in conv_off.items() if k in ("y", "dx")}}.items()
-            if not v >= 10 * TOL}
-    assert not weak, f"{layout} W={W} kda={kda}: without the exchange these still match: {weak} (all: {off})"
-    if dist.get_rank(group) == 0:
-        print(f"{layout} W={W} {'KDA' if kda else 'GDN'} exchange off: " +
-              " ".join(f"{k}:{v:.1e}" for k, v in {**off, **conv_off}.items()), flush=True)
+    for layout, kda in cases:
+        gen = torch.Generator().manual_seed(7 + W)
+        # per-document zigzag puts every document on every rank: fewer of them still makes over 50 a rank
+        cu = long_memory_cu(gen, W, piece=piece or (48 if layout == "zigzag_per_doc" else 140))
+        xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, kda)
+        for strategy in STRATEGIES:
+            errs = compare_with_oracle(cu, xs, None, layout, strategy, True, group, seed=W)
+            bad = {k: v for k, v in errs.items() if not v <= TOL}
+            assert not bad, f"{layout} W={W} {strategy} kda={kda}: {bad}"
+        conv = conv_errors(cu, layout, W, group)
+        assert max(conv.values()) <= TOL, f"conv {layout} W={W}: {conv}"
+        # the negative control: the same comparisons with the exchange switched off must fail
+        restore = exchange_off()
+        try:
+            off = compare_with_oracle(cu, xs, None, layout, "relay", True, group, seed=W)
+            conv_off = conv_errors(cu, layout, W, group)
+        finally:
+            restore()
+        weak = {k: v for k, v in {**off, **{"conv_" + k: v for k, v in conv_off.items() if k in ("y", "dx")}}.items()
+                if not v >= 10 * TOL}
+        assert not weak, f"{layout} W={W} kda={kda}: without the exchange these still match: {weak} (all: {off})"
+        if dist.get_rank(group) == 0:
+            print(f"{layout} W={W} {'KDA' if kda else 'GDN'} docs={len(cu) - 1} exchange off: " +
+                  " ".join(f"{k}:{v:.1e}" for k, v in {**off, **conv_off}.items()), flush=True)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_long_memory_every_layout_and_exchange_is_load_bearing(world_size):
+    """The default tier's long-memory check, one set of ranks for every layout, GDN and KDA: a few
+    documents per zigzag chunk (one across each chunk edge), slow decay, keys that do not span K. Both
+    strategies match the oracle to 1e-5 in the output and every input gradient, and with the exchange
+    off they miss by at least 10x that (output, every input gradient, conv output and input gradient)."""
+    spawn(_long_memory, world_size, [(layout, kda) for layout in LAYOUTS for kda in (False, True)], 8)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
 def test_long_memory_and_exchange_is_load_bearing(layout, world_size, kda):
-    """Over 50 documents per rank, slow decay, keys that do not span K: both strategies match the
-    oracle to 1e-5 in the output and every input gradient, and with the exchange off they miss by
-    at least 10x that (output, every input gradient, conv output and input gradient)."""
-    spawn(_long_memory, world_size, layout, kda)
+    """The same at full size: over 50 documents per rank."""
+    spawn(_long_memory, world_size, [(layout, kda)])
 
 
 def _split_cases(layouts, backend="reference"):
@@ -124,6 +136,7 @@ def _split_cases(layouts, backend="reference"):
         kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split_segments(plan, 24), group=group, backend="reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_cut_segments_match_single_process(world_size):
     spawn(_split_cases, world_size, LAYOUTS)
@@ -172,5 +185,6 @@ def _cp2hp_cases(layouts):
                              strategy="cp2hp")
 
 
+@pytest.mark.slow
 def test_cp2hp_matches_single_process():
     spawn(_cp2hp_cases, 2, LAYOUTS)
