@@ -205,7 +205,7 @@ class _FLACore:
         return h0 if P.live is None or any(lo <= s < hi for s in P.live) else None
 
     @staticmethod
-    def _inputs(q, k, v, g, beta, plan, l2):
+    def _inputs(q, k, v, g, beta, plan, use_qk_l2norm):
         """What both models do first: contiguous inputs, l2norm of q and k (with its rstd for the
         backward), the chunk-local gate cumsum in log2 units (fla's kernels use exp2), the stream's
         cu_seqlens and chunk indices."""
@@ -213,7 +213,7 @@ class _FLACore:
         from fla.ops.utils.constant import RCP_LN2
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         qr = kr = None
-        if l2:
+        if use_qk_l2norm:
             from fla.modules.norm.l2norm import l2norm_fwd
             (q, qr), (k, kr) = l2norm_fwd(q), l2norm_fwd(k)
         _, _, cu, ci = _ranges(plan, 0, plan.num_segments, str(q.device))
@@ -222,7 +222,7 @@ class _FLACore:
 
     def finish(self, P: Prepared, grads):
         dq, dk, dv, dg, db = grads
-        if P.l2:
+        if P.use_qk_l2norm:
             from fla.modules.norm.l2norm import l2norm_bwd
             q, k, _, _, _, qr, kr = P.saved[:7]
             dq, dk = l2norm_bwd(q, qr, dq), l2norm_bwd(k, kr, dk)
@@ -238,12 +238,12 @@ class _FLACore:
 class GDNCore(_FLACore):
     """Gated DeltaNet: one log-decay per head (``g`` ``[1, T, HV]``)."""
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
+    def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
+        *saved, kw = self._inputs(q, k, v, g, beta, plan, use_qk_l2norm)
         q, k, v, gc, beta = saved[:5]
         w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=CHUNK, **kw)
-        return Prepared((*saved, A), plan, scale, l2, fwd=(w, u), live=live)
+        return Prepared((*saved, A), plan, scale, use_qk_l2norm, fwd=(w, u), live=live)
 
     def _state_inputs(self, P):
         return P.saved[1], *P.fwd, P.saved[3], None
@@ -289,13 +289,13 @@ class GDNCore(_FLACore):
 class KDACore(_FLACore):
     """Kimi Delta Attention: one log-decay per head and key dim (``g`` ``[1, T, HV, K]``)."""
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
+    def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        *saved, kw = self._inputs(q, k, v, g, beta, plan, l2)
+        *saved, kw = self._inputs(q, k, v, g, beta, plan, use_qk_l2norm)
         q, k, v, gc, beta = saved[:5]
         w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, chunk_size=CHUNK,
                                                     **kw)
-        return Prepared((*saved, Aqk, Akk), plan, scale, l2, fwd=(w, u, kg), live=live)
+        return Prepared((*saved, Aqk, Akk), plan, scale, use_qk_l2norm, fwd=(w, u, kg), live=live)
 
     def _state_inputs(self, P):
         return P.fwd[2], P.fwd[0], P.fwd[1], None, P.saved[3]

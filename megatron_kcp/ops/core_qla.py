@@ -65,17 +65,17 @@ class GDNQLACore:
     """Gated DeltaNet on flash-qla: one log-decay per head (``g`` ``[1, T, HV]``), cumsummed in fp32."""
     fused = True                 # output and backward_rest run their own passes: a pass only for what leaves
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
+    def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         K = _kernels()
         q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
         qr = kr = None
-        if l2:
+        if use_qk_l2norm:
             (q, qr), (k, kr) = K.l2norm_fwd(q), K.l2norm_fwd(k)
         _, _, cu = _cu(plan, 0, plan.num_segments, str(q.device))
         # the backward's gate gradient comes out in g's dtype, and flash-qla needs it in fp32
         gc = K.chunk_local_cumsum(g.float().contiguous(), chunk_size=64, cu_seqlens=cu)
         A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
-        return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, l2, live=live)
+        return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, use_qk_l2norm, live=live)
 
     def _range(self, P, lo, hi):
         """(q, k, v, A, g, beta) on the tokens of segments [lo, hi), and the range's cu_seqlens."""
@@ -171,7 +171,7 @@ class GDNQLACore:
 
     def finish(self, P: Prepared, grads):
         dq, dk, dv, dg, db = grads
-        if P.l2:
+        if P.use_qk_l2norm:
             q, k, _, _, _, qr, kr = P.saved[:7]
             dq, dk = _kernels().l2norm_bwd(q, qr, dq), _kernels().l2norm_bwd(k, kr, dk)
         return dq, dk, dv, dg, db

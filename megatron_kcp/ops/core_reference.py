@@ -24,8 +24,8 @@ def _gather(plan: KCPPlan, segs, *xs):
 class ReferenceCore:
     fused = False                # output and backward_rest return what the passes computed
 
-    def prepare(self, q, k, v, g, beta, plan, scale, l2, live=None) -> Prepared:
-        return Prepared((q, k, v, g, beta), plan, scale, l2, live=live)
+    def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
+        return Prepared((q, k, v, g, beta), plan, scale, use_qk_l2norm, live=live)
 
     def states(self, P: Prepared, h0) -> States:
         return States(h0)
@@ -33,7 +33,7 @@ class ReferenceCore:
     def state(self, P: Prepared, st: States, segs, h0):
         xs, cu, idx = _gather(P.plan, segs, *P.saved)
         o, ht = R.chunk_gated_delta_rule_fp64(*xs, scale=P.scale, initial_state=h0[list(segs)],
-                                              output_final_state=True, use_qk_l2norm=P.l2, cu_seqlens=cu)
+                                              output_final_state=True, use_qk_l2norm=P.use_qk_l2norm, cu_seqlens=cu)
         if st.o is None:
             st.o = o.new_zeros(1, P.plan.num_local_tokens, *o.shape[2:])
         st.o[:, idx] = o
@@ -47,7 +47,7 @@ class ReferenceCore:
         cu = P.plan.cu_seqlens
         _, k, v, g, beta = P.saved
         return torch.stack([R.affine_state_map(k[:, cu[s]:cu[s + 1]], g[:, cu[s]:cu[s + 1]],
-                                               beta[:, cu[s]:cu[s + 1]], v[:, cu[s]:cu[s + 1]], P.l2)
+                                               beta[:, cu[s]:cu[s + 1]], v[:, cu[s]:cu[s + 1]], P.use_qk_l2norm)
                             for s in segs]).float()
 
     def backward_prepare(self, P: Prepared, lo, hi, h0, do) -> Backward:
@@ -62,7 +62,7 @@ class ReferenceCore:
         with torch.enable_grad():
             xs = [x.detach().requires_grad_() for x in xs] + [h0[rows].detach().requires_grad_()]
             o, ht = R.chunk_gated_delta_rule_fp64(*xs[:5], scale=P.scale, initial_state=xs[5],
-                                                  output_final_state=True, use_qk_l2norm=P.l2, cu_seqlens=cu)
+                                                  output_final_state=True, use_qk_l2norm=P.use_qk_l2norm, cu_seqlens=cu)
             grads = torch.autograd.grad((o, ht), xs, (do, dht[rows].to(ht.dtype)))
         local = idx - P.plan.cu_seqlens[B.lo]
         for acc, gr in zip(B.grads, grads[:5]):

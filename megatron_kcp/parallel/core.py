@@ -10,7 +10,7 @@ implementing :class:`LocalCore`.
 
 The calls of one step, forward::
 
-    P = core.prepare(q, k, v, g, beta, plan, scale, l2, live)   # what needs no state, whole stream
+    P = core.prepare(q, k, v, g, beta, plan, scale, use_qk_l2norm, live)   # what needs no state, whole stream
     st = core.states(P, h0)
     core.state(P, st, segs, h0)        # state passes on any sets of segments, as their states arrive
     core.maps(P, segs)                 # [H | M] where a strategy gathers affine maps
@@ -43,7 +43,7 @@ class Prepared:
     saved: tuple                        # the prepared inputs the backward keeps (each core's own layout)
     plan: KCPPlan
     scale: float
-    l2: bool                            # q and k are l2-normalised inside the op
+    use_qk_l2norm: bool  # q and k are l2-normalised inside the op
     fwd: tuple = ()                     # forward-only intermediates (fla: the WY form's w, u)
     live: frozenset | None = None       # segments whose initial state may be nonzero (None: any of them)
 
@@ -79,7 +79,7 @@ class LocalCore(Protocol):
     """True where ``output`` and ``backward_rest`` run their own state (gradient) passes: a strategy
     then runs ``state`` / ``backward_state`` only where a result leaves the rank or the op."""
 
-    def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, l2: bool,
+    def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, use_qk_l2norm: bool,
                 live: frozenset | None = None) -> Prepared:
         """Everything that needs no state, over the whole local stream."""
 

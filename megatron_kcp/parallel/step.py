@@ -17,10 +17,10 @@ class KCPStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, init, plan: KCPPlan, group, scale, l2, core, strategy):
+    def forward(ctx, q, k, v, g, beta, init, plan: KCPPlan, group, scale, use_qk_l2norm, core, strategy):
         starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
         live = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
-        P = core.prepare(q, k, v, g, beta, plan, scale, l2, live=frozenset(live))
+        P = core.prepare(q, k, v, g, beta, plan, scale, use_qk_l2norm, live=frozenset(live))
         h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
         ix = functools.partial(index_tensor, device=h0.device)      # no list indexing: it syncs the host
         if init is not None:
@@ -29,14 +29,15 @@ class KCPStep(torch.autograd.Function):
         ctx.save_for_backward(*P.saved, h0.index_select(0, ix(live)), extra)
         ctx.live, ctx.starts, ctx.has_init = live, starts, init is not None
         ctx.dtypes = [x.dtype for x in (q, k, v, g, beta)]
-        ctx.plan, ctx.group, ctx.scale, ctx.l2, ctx.core, ctx.strategy = plan, group, scale, l2, core, strategy
+        ctx.plan, ctx.group, ctx.scale, ctx.use_qk_l2norm = plan, group, scale, use_qk_l2norm
+        ctx.core, ctx.strategy = core, strategy
         return o
 
     @staticmethod
     def backward(ctx, do):
         *saved, h0_live, extra = ctx.saved_tensors
         plan, core = ctx.plan, ctx.core
-        P = Prepared(tuple(saved), plan, ctx.scale, ctx.l2, live=frozenset(ctx.live))
+        P = Prepared(tuple(saved), plan, ctx.scale, ctx.use_qk_l2norm, live=frozenset(ctx.live))
         h0 = h0_live.new_zeros(plan.num_segments, *h0_live.shape[1:])
         h0.index_copy_(0, index_tensor(ctx.live, h0.device), h0_live)
         grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do.contiguous(), extra)

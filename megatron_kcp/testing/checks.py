@@ -22,19 +22,20 @@ def cp_group():
     return ps.get_context_parallel_group()
 
 
-def compare_with_oracle(cu, xs, h0, layout, strategy, l2, group, seed, backend="reference", max_segment=None):
+def compare_with_oracle(cu, xs, h0, layout, strategy, use_qk_l2norm, group, seed, backend="reference",
+                        max_segment=None):
     """Errors of this rank's KCP run against the single-process oracle (all-reduced max over ranks)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(1, cu[-1], *xs[2].shape[2:], generator=gen)
     ref = [x.clone().requires_grad_() for x in xs + ([h0] if h0 is not None else [])]
     o_ref, _ = R.chunk_gated_delta_rule_fp64(*ref[:5], initial_state=ref[5] if h0 is not None else None,
-                                             use_qk_l2norm=l2, cu_seqlens=torch.tensor(cu))
+                                             use_qk_l2norm=use_qk_l2norm, cu_seqlens=torch.tensor(cu))
     ref_grads = torch.autograd.grad(o_ref, ref, do)
     plan = plan_for(cu, layout, W, r)
     loc = [x.clone().requires_grad_() for x in shard(plan, *xs)]
     init = [h0.clone().requires_grad_()] if h0 is not None else []
-    o = kcp.gated_delta_rule(*loc, plan, group, initial_state=init[0] if init else None, use_qk_l2norm=l2,
+    o = kcp.gated_delta_rule(*loc, plan, group, initial_state=init[0] if init else None, use_qk_l2norm=use_qk_l2norm,
                              backend=backend, strategy=strategy, max_segment=max_segment)
     grads = torch.autograd.grad(o, loc + init, shard(plan, do)[0])
     errs = {"o": rel_err(o, shard(plan, o_ref)[0])}
