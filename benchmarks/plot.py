@@ -81,7 +81,7 @@ def plot(rows: list[dict], path: str) -> str:
 
 def crossover(rows: list[dict]) -> list[str]:
     """Per (model, T, docs, H, layout, core) of a simulate.py CSV: the predicted efficiency of each
-    strategy at each W, and the smallest W from which the all-gather is ahead (what strategy.costs is
+    strategy at each W, and the smallest W from which the all-gather is ahead (what cost_model.costs is
     fitted to)."""
     cases = defaultdict(dict)
     for r in rows:
