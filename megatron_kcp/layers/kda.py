@@ -113,6 +113,8 @@ class KCPKimiDeltaAttention(MegatronModule):
         if max(self.K, self.V) > MAX_HEAD_DIM:
             raise ValueError(f"KDA head dims (K={self.K}, V={self.V}) must be <= {MAX_HEAD_DIM}: "
                              "use more heads of a smaller head dim")
+        if "exchange" in kwargs:          # Megatron's build kwargs pass through **kwargs: a stale name must not vanish
+            raise TypeError("KCPKimiDeltaAttention takes strategy=, not exchange=: rename it (e.g. strategy='cp2hp')")
         if strategy not in dispatch.STRATEGY_NAMES:
             raise ValueError(f"strategy={strategy!r}: use one of {dispatch.STRATEGY_NAMES}")
         if strategy == "cp2hp" and pg_collection.cp.size() > 1:
