@@ -25,7 +25,7 @@ log, iters = opt("--kcp-log"), int(opt("--train-iters"))
 save, load, every = opt("--save"), opt("--load"), int(opt("--save-interval", 10**9))
 start = int(opt("--ckpt-step") or open(os.path.join(load, "latest")).read()) if load else 0
 for step in range(start + 1, iters + 1):
-    time.sleep(0.02)
+    time.sleep(0.05)          # the script's killer polls every 0.25 s: steps 31-40 must outlast that
     with open(log, "a") as f:
         f.write(json.dumps({"step": step, "loss": 10.0 / step}) + "\\n")
     if save and step % every == 0:
@@ -39,8 +39,9 @@ def _run(tmp_path, budget, chains=None):
     for d in ("scripts", "configs"):
         shutil.copytree(ROOT / d, repo / d)
     for f, text in (("megatron_kcp/__init__.py", ""), ("megatron_kcp/launch.py", FAKE_LAUNCH),
-                    ("tests/__init__.py", ""), ("tests/fast_autotune.py", "def enable(): pass\n")):
-        (repo / f).parent.mkdir(exist_ok=True)
+                    ("megatron_kcp/testing/__init__.py", ""),
+                    ("megatron_kcp/testing/fast_autotune.py", "def enable(): pass\n")):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / f).write_text(text)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "KCP_TRAIN_BUDGET": str(budget),
