@@ -51,6 +51,9 @@ def _worker(rank, world_size, port, tp, pp, fn, args, errors):
     if os.environ.get("KCP_FAST_AUTOTUNE"):
         from megatron_kcp.testing.fast_autotune import enable
         enable()
+    # ranks share the cores: torch's default intra-op threads per rank oversubscribe them, and the
+    # small fp64 reference ops then spend their time switching threads
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_process(rank, world_size, port)
     from megatron.core import parallel_state as ps
     try:
