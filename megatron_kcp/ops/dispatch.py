@@ -11,12 +11,18 @@ rank's own tokens.
 * The strategy (``strategy="auto"``): the cost model's (:mod:`megatron_kcp.parallel.cost_model`);
   on flash-qla, the relay wherever the all-gather would need transition maps. Without CP, on CUDA,
   no exchange at all: the core's single-device call (``"none"``).
+* The layout (``strategy="auto"`` or ``"convert"``): on a zigzag layout (Megatron's per-document one
+  above all), the stream moves to the contiguous layout and back around the exchange where the cost
+  model says the fewer crossing documents pay for the all-to-alls
+  (:func:`megatron_kcp.parallel.cost_model.convert_pays`); core, strategy and split are then decided
+  on the contiguous plan.
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (few heads, a few
   long segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import qla_runs
-from megatron_kcp.parallel.cost_model import choose, needs_maps
+from megatron_kcp.parallel.convert import ConvertLayout, target_plan
+from megatron_kcp.parallel.cost_model import choose, convert_pays, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
 from megatron_kcp.parallel.gather import AllGather
 from megatron_kcp.parallel.plan import KCPPlan, all_plans
@@ -33,7 +40,7 @@ from megatron_kcp.parallel.single import SingleDevice
 from megatron_kcp.parallel.strategy import ExchangeStrategy
 
 BACKENDS = ("auto", "reference", "fla", "qla")
-STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp")
+STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert")
 # the strategies by name (``none``: no exchange, the core's single-device call)
 STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGather(), CP2HP(), SingleDevice())}
 
@@ -52,13 +59,20 @@ class Dispatch:
     core: str          # reference | fla | qla
     strategy: str      # relay | gather | cp2hp | none (no exchange: the core's single-device call)
     max_segment: int   # local segments split into parts of at most this many tokens (0: not split)
+    layout: str = ""   # the layout the exchange runs in, the stream moved there and back ("": the plan's)
 
     def describe(self) -> str:
         """``strategy S, core C`` as the ``KCP active`` line prints it."""
         core = {"reference": "reference (PyTorch)", "fla": "fla", "qla": "flash-qla"}[self.core]
         strategy = "none (the core's single-device call)" if self.strategy == "none" else self.strategy
         split = f", segments split into parts of {self.max_segment} tokens" if self.max_segment else ""
-        return f"strategy {strategy}, core {core}{split}"
+        moved = f", in the {self.layout} layout (the op's inputs moved there and back)" if self.layout else ""
+        return f"strategy {strategy}, core {core}{split}{moved}"
+
+    def exchange(self) -> ExchangeStrategy:
+        """The strategy object that runs this decision (looked up at each call, so tests may swap one in)."""
+        inner = STRATEGIES[self.strategy]
+        return ConvertLayout(inner, self.layout, self.max_segment) if self.layout else inner
 
 
 def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, backend: str = "auto",
@@ -97,6 +111,14 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy,
                         "cp2hp", 0)
     if strategy == "cp2hp":
         strategy = "auto"                # one rank: nothing to spread over heads
+    if W > 1 and strategy in ("auto", "convert") and plan.layout != "contiguous":
+        if strategy == "convert" or convert_pays(plan.global_cu_seqlens, plan.layout, W, value_heads, head_dims[1],
+                                                 op_bytes_per_token(value_heads, head_dims, kda, dtype), 4):
+            inner = _decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads, backend,
+                            "auto", max_segment, forced)
+            return dataclasses.replace(inner, layout="contiguous")
+    elif strategy == "convert":
+        strategy = "auto"                # nothing to convert
     if backend == "auto" and max_segment is None and W == 1 and cuda:
         return Dispatch("fla", "none", 0)
 
@@ -121,6 +143,14 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy,
     if backend == "qla" and maps and strategy == "auto":
         name = "relay"                   # qla's all-gather with maps lost to its relay on the GPU runs
     return Dispatch(backend, name, 0)
+
+
+def op_bytes_per_token(value_heads: int, head_dims: tuple[int, int], kda: bool, dtype: torch.dtype) -> int:
+    """Bytes per token the op's conversion moves in a step: q, k, v, g (fp32), beta and o forward, their
+    gradients backward. ``value_heads`` stands in for the q/k heads too (an upper bound with grouped heads)."""
+    K, V = head_dims
+    e = torch.finfo(dtype).bits // 8
+    return 2 * value_heads * ((2 * K + 2 * V + 1) * e + (K if kda else 1) * 4)
 
 
 def qla_worth(plan: KCPPlan, value_heads: int) -> bool:

@@ -54,7 +54,9 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
             gradient on each rank is that rank's share (sum over the CP group for the total).
         use_qk_l2norm: l2-normalise q and k inside the op.
         backend: the local core, ``auto`` | ``reference`` | ``fla`` | ``qla``.
-        strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp`` (megatron-core's all-to-all, the peer).
+        strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp`` (megatron-core's all-to-all, the peer) |
+            ``convert`` (the contiguous layout and back around the exchange; ``auto`` converts where the
+            cost model says it pays).
         max_segment: split local segments into parts of at most this many tokens, chained by the
             all-gather; 0 never; None where flash-qla's scans would be latency-bound.
     Returns:
@@ -62,11 +64,11 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
     """
     check_inputs(q, k, v, g, beta, plan, initial_state)
     chosen = dispatch.decide(plan, q, v, g, backend, strategy, max_segment)
-    exchange = dispatch.STRATEGIES[chosen.strategy]
+    exchange = chosen.exchange()
     exchange.check(q, v, plan, initial_state)
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
-    if chosen.max_segment:
+    if chosen.max_segment and not chosen.layout:
         plan = split_segments(plan, chosen.max_segment)
     core = dispatch.build_core(chosen.core, q, v, g)
     return exchange.apply(core, q, k, v, g, beta, plan, group, scale=q.shape[-1] ** -0.5 if scale is None else scale,
