@@ -6,7 +6,8 @@
 ``__getattr__``.
 
 Megatron's ``--spec MODULE NAME`` imports ``NAME`` from ``MODULE`` before the config exists, so the
-specs here are config-independent: every layer is one ``TransformerLayer`` whose mixer,
+specs here are config-independent: every layer is one ``KCPTransformerLayer`` (Megatron's
+``TransformerLayer``, converting the layout around runs of linear layers) whose mixer,
 :class:`HybridMixer`, becomes the linear mixer or softmax attention at construction, from
 ``config.linear_attention_freq`` (N: every Nth layer is attention; or a 0/1 list, 1 = linear) and
 the global layer number. TransformerEngine modules are used when importable, Megatron's local
@@ -32,7 +33,7 @@ try:
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 except ImportError as e:
     raise RuntimeError(f"megatron_kcp.spec: {e}; {NEEDS}") from e
 
@@ -116,10 +117,12 @@ def attention_spec(backend=None) -> ModuleSpec:
 
 
 def hybrid_layer_spec(linear: ModuleSpec, backend=None) -> ModuleSpec:
-    """A pre-norm TransformerLayer whose mixer is ``linear`` or attention per ``linear_attention_freq``."""
+    """A pre-norm TransformerLayer whose mixer is ``linear`` or attention per ``linear_attention_freq``;
+    a run of linear layers runs in the contiguous layout where that pays (``layers/layout.py``)."""
     backend = backend or backend_provider()
     norm = backend.layer_norm(rms_norm=True, for_qk=False)
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    from megatron_kcp.layers.layout import KCPTransformerLayer
+    return ModuleSpec(module=KCPTransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm,
         self_attention=ModuleSpec(module=HybridMixer, submodules=HybridMixerSubmodules(
             linear=linear, attention=attention_spec(backend))),

@@ -7,7 +7,8 @@ sequence (``get_batch_on_this_cp_rank``: 2W chunks, rank r holds chunks r and 2W
 K and V (one collective) over the CP group, puts the chunks in global order, and runs torch's
 ``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
 end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
-the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads.
+the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads. A THD pack
+(Megatron's per-document zigzag) runs with a dense document-causal mask over the gathered pack.
 """
 from __future__ import annotations
 
@@ -93,10 +94,11 @@ class CPDotProductAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params)
         if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (THD, packed_seq_params) are not supported by "
-                                      "CPDotProductAttention: install TransformerEngine, whose attention the "
-                                      "hybrid specs then use")
+            raise NotImplementedError(f"packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}: "
+                                      "CPDotProductAttention takes THD packs or none")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by CPDotProductAttention: install "
                                       "TransformerEngine, whose attention the hybrid specs then use")
@@ -126,3 +128,33 @@ class CPDotProductAttention(MegatronModule):
                              for qc, end in pieces], dim=2)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query, key, value, packed_seq_params):
+        """A THD pack ``[t, 1, heads, d]``: each rank's tokens in Megatron's per-document zigzag (or all of
+        them at CP = 1); each query attends to the keys of its own document up to itself. Keys and values
+        are all-gathered and the mask is built from every token's document and stream position, so
+        the cost is dense in the pack (a reference for the CPU and tests; TE's attention is the fast one)."""
+        from megatron_kcp.parallel.plan import all_plans, check_cu_seqlens, local_token_index
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = check_cu_seqlens(cu if cu is not None else packed_seq_params.cu_seqlens_q)
+        plans = all_plans(cu, "zigzag_per_doc" if self.cp_size > 1 else "contiguous", self.cp_size)
+        pos = [local_token_index(p).to(query.device) for p in plans]
+        mine = pos[dist.get_rank(self.cp_group) if self.cp_size > 1 else 0]
+        if query.shape[0] != len(mine) or query.shape[1] != 1:
+            raise ValueError(f"THD query {tuple(query.shape[:2])}: expected [{len(mine)}, 1] (this rank's tokens of "
+                             f"the {cu[-1]}-token pack)")
+        kv = torch.cat([key, value], -1)
+        if self.cp_size > 1:
+            kv = AllGatherSeq.apply(kv, self.cp_group)
+        keys = torch.cat(pos)
+        doc = torch.bucketize(torch.arange(cu[-1], device=query.device), torch.tensor(cu[1:], device=query.device),
+                              right=True)
+        mask = (doc[mine][:, None] == doc[keys][None]) & (keys[None] <= mine[:, None])
+        q = query.permute(1, 2, 0, 3)
+        k, v = kv.permute(1, 2, 0, 3).split([key.shape[-1], value.shape[-1]], -1)
+        dropout_p = self.dropout_p if self.training else 0.0
+        use_tracker = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)

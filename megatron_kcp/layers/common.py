@@ -2,8 +2,9 @@
 
 The line, printed once by global rank 0 at the first forward of a KCP mixer::
 
-    [megatron_kcp] KCP active: KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout zigzag_per_doc
-    (THD packed documents), strategy relay, core flash-qla, layers local
+    [megatron_kcp] KCP active: KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout contiguous
+    (THD packed documents, hidden states moved from zigzag_per_doc at the edges of each run of linear
+    layers: 4 all-to-alls per forward, as many backward), strategy gather, core flash-qla, layers local
 
 An unmodified Megatron-LM that cannot import a ``--spec`` logs the error and trains its default GPT:
 without this line, a run is not using the KCP mixers. Under pipeline parallelism rank 0 holds the
@@ -15,6 +16,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_kcp.environment import te_available
+from megatron_kcp.layers import layout
 from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.plan import KCPPlan, plan_for_cp_group
 
@@ -22,9 +24,10 @@ _announced = False
 
 
 def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: int, cp_size: int,
-                conv_kernel_size: int, group) -> KCPPlan:
+                conv_kernel_size: int, group, layout: str | None = None) -> KCPPlan:
     """The KCP plan of Megatron's batch: THD packs documents per-document-zigzag (cu_seqlens_padded
-    when given); a ``[s, b]`` batch is b rows, each split zigzag over CP (or whole at CP = 1)."""
+    when given); a ``[s, b]`` batch is b rows, each split zigzag over CP (or whole at CP = 1).
+    ``layout``: the one the tokens were moved to (:mod:`megatron_kcp.layers.layout`), if any."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         if batch != 1:
             raise ValueError(f"THD packed sequences need micro batch size 1, got {batch}: "
@@ -34,7 +37,7 @@ def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: 
             cu = packed_seq_params.cu_seqlens_q
     else:
         cu = torch.arange(batch + 1) * (seq_len * cp_size)
-    layout = "zigzag_per_doc" if cp_size > 1 else "contiguous"
+    layout = layout or ("zigzag_per_doc" if cp_size > 1 else "contiguous")
     return plan_for_cp_group(cu, layout, conv_kernel_size, group)
 
 
@@ -53,5 +56,5 @@ def announce(mixer, plan: KCPPlan, q, v, g, packed_seq_params=None, tp_size: int
     extra = "".join(f", {name}={val}" for name, val in options.items())
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
-          f"({'THD packed documents' if thd else '[s, b] rows'}), {chosen.describe()}, "
+          f"({'THD packed documents' if thd else '[s, b] rows'}{layout.describe(mixer, plan)}), {chosen.describe()}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)

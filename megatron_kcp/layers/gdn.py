@@ -15,6 +15,7 @@ from megatron.core.jit import jit_fuser
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from megatron_kcp.layers.common import announce, packed_plan
+from megatron_kcp.layers.layout import mixer_input
 from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
 
@@ -33,6 +34,8 @@ def split_heads_contiguous(qkv: torch.Tensor, sizes: list[int], head_dims: list[
 
 class KCPGatedDeltaNet(GatedDeltaNet):
     """``GatedDeltaNet`` with Kimi Context Parallel; same constructor and checkpoint format."""
+
+    any_layout = True     # runs in the layout its hidden states come in (megatron_kcp.layers.layout)
 
     def _setup_variant_attrs(self):
         # heads stay whole on every CP rank: the parent's head math must not divide by CP
@@ -62,9 +65,10 @@ class KCPGatedDeltaNet(GatedDeltaNet):
                 sequence_len_offset=None, *, inference_params=None, **kwargs):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("KCPGatedDeltaNet is a training module; inference is not supported")
+        hidden_states, layout, restore = mixer_input(self, hidden_states, packed_seq_params)
         qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
         s, b, _ = qkvzba.shape
-        plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group)
+        plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group, layout)
         # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
         qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
@@ -92,4 +96,5 @@ class KCPGatedDeltaNet(GatedDeltaNet):
             gate = gate.reshape(-1, self.value_head_dim).float()
             o = self.out_norm(o.reshape(-1, self.value_head_dim)) * self.act_fn(gate)
         o = o.to(qkv.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
-        return self.out_proj(o)
+        out, bias = self.out_proj(o)
+        return restore(out), bias

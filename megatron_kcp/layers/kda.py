@@ -23,6 +23,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 
 from megatron_kcp.layers.common import announce, packed_plan
+from megatron_kcp.layers.layout import mixer_input
 from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.parallel.cp2hp import check_cp2hp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
@@ -120,6 +121,7 @@ class KCPKimiDeltaAttention(MegatronModule):
         if strategy == "cp2hp" and pg_collection.cp.size() > 1:
             check_cp2hp(self.H // tp, self.HV // tp, pg_collection.cp.size())
         self.strategy = strategy
+        self.any_layout = strategy != "cp2hp"     # cp2hp's all-to-all expects Megatron's layout
         self.options = kda_options(config, tp, kda_gate_rank=kda_gate_rank, kda_norm_eps=kda_norm_eps)
         rank, eps = self.options["kda_gate_rank"] or self.V, self.options["kda_norm_eps"]
         self.gate_rank = rank
@@ -200,11 +202,12 @@ class KCPKimiDeltaAttention(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **kwargs):
         if inference_context is not None:
             raise NotImplementedError("KCPKimiDeltaAttention is a training module; inference is not supported")
+        hidden_states, layout, restore = mixer_input(self, hidden_states, packed_seq_params)
         q, k, v, f_low, b, g_low = (m(hidden_states)[0] for m in (
             self.q_proj, self.k_proj, self.v_proj, self.f_proj[0], self.b_proj, self.g_proj[0]))
         s, bsz = q.shape[:2]
         cp_group = self.pg_collection.cp
-        plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group)
+        plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group, layout)
         T = bsz * s
 
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
@@ -221,4 +224,5 @@ class KCPKimiDeltaAttention(MegatronModule):
         o = kcp.gated_delta_rule(q, k, v, g, beta, plan, cp_group, use_qk_l2norm=True, strategy=self.strategy)
         gate = stream(self.g_proj[1](g_low)[0]).view(1, T, self.hv_loc, self.V)
         o = self.o_norm(o, gate).reshape(bsz, s, -1).transpose(0, 1).contiguous()
-        return self.o_proj(o)
+        out, bias = self.o_proj(o)
+        return restore(out), bias

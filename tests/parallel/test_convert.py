@@ -1,0 +1,73 @@
+"""KCP with the layout conversion (per-document zigzag -> contiguous -> back) equals the single-process
+oracle, forward and every input gradient, on packs of 1 to 300 documents; and on inputs whose state
+outlives a piece, the same comparison fails with the exchange switched off, or with the conversion
+off by one document."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_kcp.parallel import relayout
+from megatron_kcp.testing.cases import long_memory_inputs
+from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
+from megatron_kcp.testing.distributed import spawn
+
+
+def docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
+    """``n`` documents of 1 to 12 times 2W tokens (one document: 60 times), as Megatron pads them."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [2 * W * 60] if n == 1 else (2 * W * torch.randint(1, 13, (n,), generator=gen)).tolist()
+    cu = [0]
+    for x in lens:
+        cu.append(cu[-1] + x)
+    return tuple(cu)
+
+
+def rolled_by_one_document(cu):
+    """relayout.positions with the target layout's stream rolled by the first document: a permutation
+    that is wrong by one document (forward and backward consistent)."""
+    real = relayout.positions
+
+    def positions(cu_, layout, W, tp, rank):
+        p = real(cu_, layout, W, tp, rank)
+        return (p + cu_[1]) % cu_[-1] if layout == "contiguous" else p
+    return mock.patch.object(relayout, "positions", positions)
+
+
+def _convert(docs, kda_cases, controls):
+    group = cp_group()
+    W = dist.get_world_size(group)
+    for n in docs:
+        cu = docs_cu(n, W)
+        for kda in kda_cases:
+            xs = long_memory_inputs(torch.Generator().manual_seed(n), cu, 2, 4, 16, 8, kda)
+            errs = compare_with_oracle(cu, xs, None, "zigzag_per_doc", "convert", True, group, seed=n)
+            assert max(errs.values()) <= TOL, (n, kda, errs)
+            if not controls:
+                continue
+            for inner in ("relay", "gather"):
+                restore = exchange_off(inner)
+                try:
+                    with mock.patch.dict("os.environ", {"KCP_STRATEGY": inner}):
+                        off = compare_with_oracle(cu, xs, None, "zigzag_per_doc", "convert", True, group, seed=n)
+                finally:
+                    restore()
+                assert off["o"] > 10 * TOL, (n, kda, inner, off)
+            relayout.route.cache_clear()
+            with rolled_by_one_document(cu):
+                wrong = compare_with_oracle(cu, xs, None, "zigzag_per_doc", "convert", True, group, seed=n)
+            relayout.route.cache_clear()
+            assert min(wrong.values()) > 10 * TOL, (n, kda, wrong)
+
+
+def test_convert_matches_single_process_with_negative_controls():
+    spawn(_convert, 2, (10,), (False, True), True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_convert_matches_single_process_1_to_300_documents(world_size):
+    spawn(_convert, world_size, (1, 10, 100, 300), (False, True), world_size == 4)
