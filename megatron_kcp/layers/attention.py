@@ -130,19 +130,20 @@ class CPDotProductAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def _packed(self, query, key, value, packed_seq_params):
-        """A THD pack ``[t, 1, heads, d]``: each rank's tokens in Megatron's per-document zigzag (or all of
-        them at CP = 1); each query attends to the keys of its own document up to itself. Keys and values
-        are all-gathered and the mask is built from every token's document and stream position, so
-        the cost is dense in the pack (a reference for the CPU and tests; TE's attention is the fast one)."""
+        """A THD pack (Megatron squeezes its batch dim: ``[t, heads, d]``): each rank's tokens in Megatron's
+        per-document zigzag (or all of them at CP = 1); each query attends to the keys of its own
+        document up to itself. Keys and values are all-gathered and the mask is built from every token's
+        document and stream position, so the cost is dense in the pack (a reference for the CPU and
+        tests; TE's attention is the fast one). Returns ``[t, 1, heads * d]``."""
         from megatron_kcp.parallel.plan import all_plans, check_cu_seqlens, local_token_index
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = check_cu_seqlens(cu if cu is not None else packed_seq_params.cu_seqlens_q)
         plans = all_plans(cu, "zigzag_per_doc" if self.cp_size > 1 else "contiguous", self.cp_size)
         pos = [local_token_index(p).to(query.device) for p in plans]
         mine = pos[dist.get_rank(self.cp_group) if self.cp_size > 1 else 0]
-        if query.shape[0] != len(mine) or query.shape[1] != 1:
-            raise ValueError(f"THD query {tuple(query.shape[:2])}: expected [{len(mine)}, 1] (this rank's tokens of "
-                             f"the {cu[-1]}-token pack)")
+        if query.dim() != 3 or query.shape[0] != len(mine):
+            raise ValueError(f"THD query {tuple(query.shape)}: expected [{len(mine)}, heads, head_dim] (this rank's "
+                             f"tokens of the {cu[-1]}-token pack)")
         kv = torch.cat([key, value], -1)
         if self.cp_size > 1:
             kv = AllGatherSeq.apply(kv, self.cp_group)
@@ -150,11 +151,11 @@ class CPDotProductAttention(MegatronModule):
         doc = torch.bucketize(torch.arange(cu[-1], device=query.device), torch.tensor(cu[1:], device=query.device),
                               right=True)
         mask = (doc[mine][:, None] == doc[keys][None]) & (keys[None] <= mine[:, None])
-        q = query.permute(1, 2, 0, 3)
-        k, v = kv.permute(1, 2, 0, 3).split([key.shape[-1], value.shape[-1]], -1)
+        q = query.transpose(0, 1)[None]                                          # [1, heads, t, d]
+        k, v = kv.transpose(0, 1)[None].split([key.shape[-1], value.shape[-1]], -1)
         dropout_p = self.dropout_p if self.training else 0.0
         use_tracker = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)
+        return out[0].transpose(0, 1).reshape(query.shape[0], 1, -1)

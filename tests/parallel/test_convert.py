@@ -26,7 +26,7 @@ def docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(cu)
 
 
-def rolled_by_one_document(cu):
+def rolled_by_one_document():
     """relayout.positions with the target layout's stream rolled by the first document: a permutation
     that is wrong by one document (forward and backward consistent)."""
     real = relayout.positions
@@ -56,8 +56,10 @@ def _convert(docs, kda_cases, controls):
                 finally:
                     restore()
                 assert off["o"] > 10 * TOL, (n, kda, inner, off)
+            if n == 1:
+                continue                     # rolling the stream by its one document moves nothing
             relayout.route.cache_clear()
-            with rolled_by_one_document(cu):
+            with rolled_by_one_document():
                 wrong = compare_with_oracle(cu, xs, None, "zigzag_per_doc", "convert", True, group, seed=n)
             relayout.route.cache_clear()
             assert min(wrong.values()) > 10 * TOL, (n, kda, wrong)

@@ -1,0 +1,146 @@
+"""Both mixers and the hybrid block (3 linear layers + softmax attention) on Megatron's THD packs at
+CP = W, hidden states moved to the contiguous layout (each mixer on its own, or once per run of
+linear layers), equal the same modules at CP = 1: output, input gradient and every weight gradient.
+The same comparison with the conversion off by one document fails."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.layers import CPU, build, config, solo_pg
+from tests.parallel.test_convert import docs_cu, rolled_by_one_document
+
+TOL = 1e-5
+
+
+def thd(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    t = torch.tensor(cu, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
+                           cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def block(model: str, cp: int, pg):
+    """Megatron's TransformerBlock of the hybrid spec: layers 1-3 linear, layer 4 softmax attention."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    import megatron_kcp.testing.megatron_cpu
+    from megatron_kcp import spec
+    megatron_kcp.testing.megatron_cpu.enable()
+    cfg = config(model, CPU, cp, num_layers=4, linear_attention_freq=4, kv_channels=16, hidden_dropout=0.0,
+                 attention_dropout=0.0)
+    torch.manual_seed(0)
+    layers = spec.kda_hybrid_layer_spec if model == "kda" else spec.gdn_hybrid_layer_spec
+    return TransformerBlock(cfg, layers, pg_collection=pg)
+
+
+def _compare(model, what, n_docs, expect_fail=False):
+    """``what``: 'mixer' or 'block'. Asserts CP = W equals CP = 1 (or, with ``expect_fail``, that it does not)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    cu = docs_cu(n_docs, cp, seed=n_docs)
+
+    def make(c, pg):
+        return block(model, c, pg) if what == "block" else build(model, config(model, CPU, c), pg)
+    ref = make(1, solo_pg())
+    gen = torch.Generator().manual_seed(3)
+    x, dy = (torch.randn(cu[-1], 1, CPU.hidden, generator=gen) for _ in range(2))
+    xr = x.clone().requires_grad_()
+
+    def run(mod, inp):
+        out = mod(inp, None, packed_seq_params=thd(cu)) if what == "block" else mod(inp, packed_seq_params=thd(cu))
+        return out if what == "block" else out[0]
+    run(ref, xr).backward(dy)
+    mod = make(cp, ProcessGroupCollection.use_mpu_process_groups())
+    mod.load_state_dict(ref.state_dict())
+    idx = local_token_index(build_plan(cu, "zigzag_per_doc", cp, r))
+    xl = x[idx].clone().requires_grad_()
+    y = run(mod, xl)
+    y.backward(dy[idx])
+    errs = {"y": rel_err(y, run(ref, x)[idx].detach()), "dx": rel_err(xl.grad, xr.grad[idx])}
+    for n, p in mod.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ps.get_context_parallel_group())
+        errs["d" + n] = rel_err(g, dict(ref.named_parameters())[n].grad)
+    if expect_fail:
+        assert errs["y"] > 10 * TOL and errs["dx"] > 10 * TOL, errs
+    else:
+        assert max(errs.values()) < TOL, sorted(errs.items(), key=lambda e: -e[1])[:4] + [("y", errs["y"]), ("dx", errs["dx"])]
+
+
+def _cases(model, what, docs, control):
+    from megatron_kcp.parallel import relayout
+    with mock.patch.dict("os.environ", {"KCP_CONVERT": "1"}):
+        for n in docs:
+            _compare(model, what, n)
+        if control:
+            relayout.route.cache_clear()
+            with rolled_by_one_document():
+                _compare(model, what, docs[0], expect_fail=True)
+            relayout.route.cache_clear()
+
+
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("what", ["mixer", "block"])
+def test_converted_layout_equals_cp1(model, what):
+    spawn(_cases, 2, model, what, (10,), True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("what", ["mixer", "block"])
+def test_converted_layout_equals_cp1_1_to_300_documents(model, what, world_size):
+    spawn(_cases, world_size, model, what, (1, 10, 100, 300), False)
+
+
+def _conversions_follow_the_pattern():
+    """The block converts once into and once out of each run of linear layers, and never around attention."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp.layers import layout
+    mod = block("gdn", 2, ProcessGroupCollection.use_mpu_process_groups())
+    assert [(layer.linear, layer.run) for layer in mod.layers] == [(True, (1, 3))] * 3 + [(False, None)]
+    moves = []
+    real = layout.move
+
+    def move(h, cu, source, target, group, tp):
+        moves.append((source, target))
+        return real(h, cu, source, target, group, tp)
+    cu = docs_cu(4, 2)
+    x = torch.randn(cu[-1] // 2, 1, CPU.hidden)
+    with mock.patch.object(layout, "move", move), mock.patch.dict("os.environ", {"KCP_CONVERT": "1"}):
+        mod(x, None, packed_seq_params=thd(cu))
+    assert moves == [("zigzag_per_doc", "contiguous"), ("contiguous", "zigzag_per_doc")], moves
+
+
+def test_block_converts_at_the_edges_of_the_linear_run():
+    spawn(_conversions_follow_the_pattern, 2)
+
+
+def test_cost_model_converts_many_documents_and_ranks_agree():
+    """The decision reads only what every rank shares; with many documents it converts, and at the
+    mixer level (d_model per token) sooner than at the op level (q, k, v, g, beta and o)."""
+    from megatron_kcp.parallel.cost_model import convert_pays
+    hundred = docs_cu(100, 2)
+    hidden = 4 * 2048 * 2                                       # four all-to-alls of bf16 d_model = 2048
+    op = 2 * 64 * ((4 * 128 + 1) * 2 + 4)
+    assert convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
+    assert convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, op, 4)
+    assert not convert_pays(hundred, "contiguous", 2, 64, 128, hidden, 4)
+    assert not convert_pays(hundred, "zigzag_per_doc", 1, 64, 128, hidden, 4)
+    single = (0, 32768)
+    assert convert_pays(single, "zigzag_per_doc", 2, 64, 128, hidden / 3, 4 / 3)
+    assert not convert_pays(single, "zigzag_per_doc", 2, 64, 128, op, 4)
+    with mock.patch.dict("os.environ", {"KCP_CONVERT": "0"}):
+        assert not convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
+    with mock.patch.dict("os.environ", {"KCP_CONVERT": "yes"}), pytest.raises(ValueError, match="use 1"):
+        convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
