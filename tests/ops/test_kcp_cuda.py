@@ -332,6 +332,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                        f"nseq={len(cu) - 1:3d} {backend}")
                 # and the cp2hp peer (all-to-all to head shards, fla's kernels), where the heads split over the ranks
                 strategies = ("relay", "auto") if backend == "qla" else STRATEGIES
+                strategies += ("convert",) if layout != "contiguous" else ()     # to contiguous and back
                 for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
                     errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv,
                                         "fla" if strategy == "cp2hp" else backend), oracle, single, plan, group)
