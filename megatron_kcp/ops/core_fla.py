@@ -8,6 +8,14 @@ stream once; the state pass on any set of segments (one launch of fla's kernel f
 launch for all its documents); fla's CP pre-process for the transition maps of any set; and the
 backward split around the state-gradient pass, so that what does not need the incoming gradient
 runs while it travels.
+
+A pass on a group of value heads (the relay's pipeline) runs the same kernels on contiguous copies
+of the heads' part of the range its segments cover: fla's kernels find a head from the program id
+and the head count, so a strided view of some heads cannot be handed to them. The chunk states and
+new values (forward) or chunk state gradients and value gradients (backward) the pass writes are
+copied back into the range's buffers on those heads; where the pass does not write every segment of
+the range they are copied in first, so that the others keep what earlier passes wrote. Those copies
+are the price of a group: about the pass's own memory traffic again, over all groups.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import check_fla
-from megatron_kcp.parallel.core import Backward, Prepared, States
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 CHUNK = 64
@@ -150,9 +158,28 @@ def _in_order(out, rows, segs, like):
     return full
 
 
+class _OnHeads:
+    """Contiguous copies of the value heads ``heads`` of a range's tensors, for one pass on a head
+    group; ``out`` the buffers the pass writes, copied in where ``copy_in`` (the pass leaves some of
+    their rows alone) and written back by ``write_back``."""
+
+    def __init__(self, heads: slice, HV: int, out, copy_in: bool):
+        self.heads, self.HV, self.out = heads, HV, out
+        fresh = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+        self.bufs = [self(x) if copy_in else fresh(heads_of(x, heads, HV)) for x in out]
+
+    def __call__(self, x: torch.Tensor | None, dim: int = 2) -> torch.Tensor | None:
+        return None if x is None else heads_of(x, self.heads, self.HV, dim).contiguous()
+
+    def write_back(self) -> None:
+        for x, buf in zip(self.out, self.bufs):
+            heads_of(x, self.heads, self.HV).copy_(buf)
+
+
 class _FLACore:
     """What GDN and KDA share; the subclasses hold the model's own kernels."""
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
+    head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):
         """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""
@@ -168,12 +195,29 @@ class _FLACore:
         """(k, w, u, g, gk) of the state pass (and of the maps)."""
         raise NotImplementedError
 
-    def state(self, P: Prepared, st: States, segs, h0):
-        n, dev, xs = P.plan.num_segments, str(h0.device), self._state_inputs(P)
+    def state(self, P: Prepared, st: States, segs, h0, heads=None):
+        if heads is None:
+            return self._state(P, 0, P.plan.num_segments, segs, self._state_inputs(P), h0, st.h, st.v_new)
+        # the heads' part of the range [lo, hi) that segs cover: inputs, initial states, the buffers written
+        lo, hi = segs[0], segs[-1] + 1
+        a, b = P.plan.token_range(lo, hi)
+        off = _chunk_offsets(P.plan, 0, P.plan.num_segments)
+        part = _OnHeads(heads, h0.shape[1], (st.h[:, off[lo]:off[hi]], st.v_new[:, a:b]),
+                        copy_in=tuple(segs) != tuple(range(lo, hi)))
+        xs = [part(None if x is None else x[:, a:b]) for x in self._state_inputs(P)]
+        out = self._state(P, lo, hi, segs, xs, part(h0[lo:hi], dim=1), *part.bufs)
+        part.write_back()
+        return out
+
+    def _state(self, P: Prepared, lo, hi, segs, xs, h0, h, v_new):
+        """``state`` on the tensors of the range [lo, hi) that ``segs`` lie in: ``xs`` the state pass's
+        inputs on its tokens, ``h0`` a row per segment, ``h`` and ``v_new`` the buffers on its chunks
+        and tokens."""
+        dev = str(h0.device)
         rows, free = _by_state_rows(P, segs)
-        out = state_pass(_selection(P.plan, 0, n, rows, dev), *xs, h0, st.h, st.v_new) if rows else None
+        out = state_pass(_selection(P.plan, lo, hi, rows, dev), *xs, h0, h, v_new) if rows else None
         if free:
-            state_pass(_selection(P.plan, 0, n, free, dev), *xs, None, st.h, st.v_new)
+            state_pass(_selection(P.plan, lo, hi, free, dev), *xs, None, h, v_new)
         return _in_order(out, rows, segs, h0)
 
     def maps(self, P: Prepared, segs):
@@ -189,14 +233,25 @@ class _FLACore:
         off = _chunk_offsets(P.plan, 0, P.plan.num_segments)
         return x[:, off[lo]:off[hi]]
 
-    def backward_state(self, P: Prepared, B: Backward, segs, dht):
-        dev, xs = str(dht.device), self._grad_inputs(B)
+    def backward_state(self, P: Prepared, B: Backward, segs, dht, heads=None):
+        if heads is None:
+            return self._backward_state(P, B, segs, self._grad_inputs(B), B.dv, dht, B.dh, B.dv2)
+        part = _OnHeads(heads, dht.shape[1], (B.dh, B.dv2), copy_in=tuple(segs) != tuple(range(B.lo, B.hi)))
+        xs = [part(x) for x in self._grad_inputs(B)]
+        out = self._backward_state(P, B, segs, xs, part(B.dv), part(dht, dim=1), *part.bufs)
+        part.write_back()
+        return out
+
+    def _backward_state(self, P: Prepared, B: Backward, segs, xs, dv, dht, dh, dv2):
+        """``backward_state`` on the range's tensors: ``xs`` the state-gradient pass's inputs, ``dv``
+        the local value gradient, ``dht`` a row per segment, ``dh`` and ``dv2`` the buffers written."""
+        dev = str(dht.device)
         rows, free = _by_state_rows(P, segs)
         out = None
         if rows:
-            out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, B.dv, dht, B.dh, B.dv2, P.scale)
+            out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, dv, dht, dh, dv2, P.scale)
         if free:
-            state_grad_pass(_selection(P.plan, B.lo, B.hi, free, dev), *xs, B.dv, None, B.dh, B.dv2, P.scale)
+            state_grad_pass(_selection(P.plan, B.lo, B.hi, free, dev), *xs, dv, None, dh, dv2, P.scale)
         return _in_order(out, rows, segs, dht)
 
     @staticmethod

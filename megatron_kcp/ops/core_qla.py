@@ -17,6 +17,11 @@ is the forward's. That is what a plan with ``max_segment`` needs at few heads
 A pass runs once over the range from the first to the last segment that needs it (every segment
 in between computed and dropped): one launch, never a gather of tokens. On contiguous and zigzag
 layouts that range is one segment a piece; on per-document zigzag it is most of the stream.
+
+A pass on a group of value heads (the relay's pipeline) runs on contiguous copies of the heads' part
+of its range's inputs (q/k heads: those the value heads read). Its kernels write nothing that
+``output`` or ``backward_rest`` read (``state`` and ``backward_state`` only return rows, and the
+final-state gradients stay whole in ``Backward.dht``), so nothing is copied back.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 
 from megatron_kcp.environment import check_qla
 from megatron_kcp.ops.core_fla import fla_chunk
-from megatron_kcp.parallel.core import Backward, Prepared, States
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 
@@ -61,9 +66,20 @@ def _cover(segs) -> tuple[int, int] | None:
     return (min(segs), max(segs) + 1) if segs else None
 
 
+def _on_heads(heads: slice | None, HV: int, *xs, dim: int = 2):
+    """``xs`` on the value heads ``heads`` (their q/k heads for q and k), contiguous; as they are for None."""
+    return list(xs) if heads is None else [heads_of(x, heads, HV, dim).contiguous() for x in xs]
+
+
+def _width(heads: slice | None, HV: int) -> int:
+    """Value heads in ``heads`` (all HV for None)."""
+    return HV if heads is None else heads.stop - heads.start
+
+
 class GDNQLACore:
     """Gated DeltaNet on flash-qla: one log-decay per head (``g`` ``[1, T, HV]``), cumsummed in fp32."""
     fused = True                 # output and backward_rest run their own passes: a pass only for what leaves
+    head_slices = True           # a pass on a head group copies its heads' inputs (see the module docstring)
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         K = _kernels()
@@ -86,15 +102,18 @@ class GDNQLACore:
     def states(self, P: Prepared, h0) -> States:
         return States(h0)           # the fused forward runs each segment from its initial state
 
-    def state(self, P: Prepared, st: States, segs, h0):
+    def state(self, P: Prepared, st: States, segs, h0, heads=None):
         """Final states of ``segs`` (rows of the others undefined): a pass over the segments whose
         final state a successor takes, from their initial states in ``h0``."""
+        HV = h0.shape[1]
         need = _cover([s for s in segs if P.plan.succ[s] is not None])
         if not need:
-            return h0.new_empty(len(segs), *h0.shape[1:])
+            return h0.new_empty(len(segs), _width(heads, HV), *h0.shape[2:])
         lo, hi = need
         (_, k, v, A, g, beta), cu = self._range(P, lo, hi)
-        _, ht, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0[lo:hi],
+        k, v, A, g, beta = _on_heads(heads, HV, k, v, A, g, beta)
+        (h0,) = _on_heads(heads, HV, h0[lo:hi], dim=1)
+        _, ht, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0,
                                           output_final_state=True, output_h=False, cu_seqlens=cu)
         return self._rows(ht, segs, lo, hi)
 
@@ -139,18 +158,21 @@ class GDNQLACore:
                                          output_h=True, cu_seqlens=cu)
         return Backward(lo, hi, (q, k, v, g, beta, A, do, h))      # dht: set by backward_state
 
-    def backward_state(self, P: Prepared, B: Backward, segs, dht):
+    def backward_state(self, P: Prepared, B: Backward, segs, dht, heads=None):
         """Initial-state gradients of ``segs`` (rows of the others undefined): a pass over the
-        segments whose gradient leaves (a predecessor's, or the user's initial state's)."""
-        B.dht = dht
+        segments whose gradient leaves (a predecessor's, or the user's initial state's). ``dht`` (every
+        head) is kept for ``backward_rest``."""
+        B.dht, HV = dht, dht.shape[1]
         need = _cover([s for s in segs if P.live is None or s in P.live])
         if not need:
-            return dht.new_empty(len(segs), *dht.shape[1:])
+            return dht.new_empty(len(segs), _width(heads, HV), *dht.shape[2:])
         lo, hi = need
         (q, k, _, A, g, beta), cu = self._range(P, lo, hi)
         a = P.plan.token_range(B.lo, B.hi)[0]
         do = B.xs[6][:, slice(*(t - a for t in P.plan.token_range(lo, hi)))]
-        _, dh0 = _kernels().fused_gdr_dh(q=q, k=k, a=A, g=g, b=beta, do=do, dht=dht[lo - B.lo:hi - B.lo],
+        q, k, A, g, beta, do = _on_heads(heads, HV, q, k, A, g, beta, do)
+        (dht,) = _on_heads(heads, HV, dht[lo - B.lo:hi - B.lo], dim=1)
+        _, dh0 = _kernels().fused_gdr_dh(q=q, k=k, a=A, g=g, b=beta, do=do, dht=dht,
                                          output_dh0=True, output_dh=False, scale=P.scale, cu_seqlens=cu)
         return self._rows(dh0, segs, lo, hi)
 

@@ -2,14 +2,16 @@
 
 Implements :class:`megatron_kcp.parallel.core.LocalCore` over the fp64 chunked reference
 (``reference.py``): each state pass computes its segments' outputs too (kept in ``States.o``), and
-each state-gradient pass is autograd through the same reference, filling ``Backward.grads``.
+each state-gradient pass is autograd through the same reference, filling ``Backward.grads``. A
+pass on a group of value heads runs the reference on those heads and their q/k heads: heads are
+independent, and each head's arithmetic is the same as in a pass over all of them.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_kcp.ops import reference as R
-from megatron_kcp.parallel.core import Backward, Prepared, States
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
 from megatron_kcp.parallel.plan import KCPPlan
 
 
@@ -21,8 +23,14 @@ def _gather(plan: KCPPlan, segs, *xs):
     return [x[:, idx] for x in xs], lens.cumsum(0), idx
 
 
+def _on_heads(xs, heads: slice | None, HV: int, dim: int = 2):
+    """``xs`` (their heads along ``dim``) on the value heads ``heads`` (views); as they are for None."""
+    return list(xs) if heads is None else [heads_of(x, heads, HV, dim) for x in xs]
+
+
 class ReferenceCore:
     fused = False                # output and backward_rest return what the passes computed
+    head_slices = True
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         return Prepared((q, k, v, g, beta), plan, scale, use_qk_l2norm, live=live)
@@ -30,13 +38,18 @@ class ReferenceCore:
     def states(self, P: Prepared, h0) -> States:
         return States(h0)
 
-    def state(self, P: Prepared, st: States, segs, h0):
+    def state(self, P: Prepared, st: States, segs, h0, heads=None):
+        HV = h0.shape[1]
         xs, cu, idx = _gather(P.plan, segs, *P.saved)
-        o, ht = R.chunk_gated_delta_rule_fp64(*xs, scale=P.scale, initial_state=h0[list(segs)],
+        xs, (h0,) = _on_heads(xs, heads, HV), _on_heads([h0[list(segs)]], heads, HV, dim=1)
+        o, ht = R.chunk_gated_delta_rule_fp64(*xs, scale=P.scale, initial_state=h0,
                                               output_final_state=True, use_qk_l2norm=P.use_qk_l2norm, cu_seqlens=cu)
         if st.o is None:
-            st.o = o.new_zeros(1, P.plan.num_local_tokens, *o.shape[2:])
-        st.o[:, idx] = o
+            st.o = o.new_zeros(1, P.plan.num_local_tokens, HV, o.shape[3])
+        if heads is None:
+            st.o[:, idx] = o
+        else:
+            st.o[:, idx, heads] = o
         return ht.float()
 
     def output(self, P: Prepared, st: States, lo, hi):
@@ -54,19 +67,25 @@ class ReferenceCore:
         a, b = P.plan.token_range(lo, hi)
         return Backward(lo, hi, (h0, do), grads=[torch.zeros_like(x[:, a:b]) for x in P.saved])
 
-    def backward_state(self, P: Prepared, B: Backward, segs, dht):
+    def backward_state(self, P: Prepared, B: Backward, segs, dht, heads=None):
         h0, do = B.xs
+        HV = h0.shape[1]
         xs, cu, idx = _gather(P.plan, segs, *P.saved)
         (do,), _, _ = _gather(P.plan, segs, do)
         rows = [s - B.lo for s in segs]
+        *xs, do = _on_heads(xs + [do], heads, HV)
+        h0, dht = _on_heads([h0[rows], dht[rows]], heads, HV, dim=1)
         with torch.enable_grad():
-            xs = [x.detach().requires_grad_() for x in xs] + [h0[rows].detach().requires_grad_()]
+            xs = [x.detach().requires_grad_() for x in xs] + [h0.detach().requires_grad_()]
             o, ht = R.chunk_gated_delta_rule_fp64(*xs[:5], scale=P.scale, initial_state=xs[5],
                                                   output_final_state=True, use_qk_l2norm=P.use_qk_l2norm, cu_seqlens=cu)
-            grads = torch.autograd.grad((o, ht), xs, (do, dht[rows].to(ht.dtype)))
+            grads = torch.autograd.grad((o, ht), xs, (do, dht.to(ht.dtype)))
         local = idx - P.plan.cu_seqlens[B.lo]
         for acc, gr in zip(B.grads, grads[:5]):
-            acc[:, local] = gr.to(acc.dtype)
+            if heads is None:
+                acc[:, local] = gr.to(acc.dtype)
+            else:            # the group's q/k heads are its own: no other group writes them
+                heads_of(acc, heads, HV)[:, local] = gr.to(acc.dtype)
         return grads[5].float()
 
     def backward_rest(self, P: Prepared, B: Backward):

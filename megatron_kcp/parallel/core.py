@@ -13,6 +13,7 @@ The calls of one step, forward::
     P = core.prepare(q, k, v, g, beta, plan, scale, use_qk_l2norm, live)   # what needs no state, whole stream
     st = core.states(P, h0)
     core.state(P, st, segs, h0)        # state passes on any sets of segments, as their states arrive
+    core.state(P, st, segs, h0, heads) # ... on a group of value heads only (the relay's pipeline)
     core.maps(P, segs)                 # [H | M] where a strategy gathers affine maps
     core.output(P, st, lo, hi)         # outputs of a range whose state passes are done
 
@@ -20,12 +21,19 @@ backward (``P`` rebuilt from ``P.saved``)::
 
     B = core.backward_prepare(P, lo, hi, h0[lo:hi], do)   # what needs no incoming state gradient
     core.backward_state(P, B, segs, dht)                  # state-gradient passes on sets in [lo, hi)
+    core.backward_state(P, B, segs, dht, heads)           # ... on a group of value heads only
     core.backward_rest(P, B)                              # input gradients of the range
     core.finish(P, grads)                                 # of the prepared tensors -> of the inputs
 
 Shapes: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, g ``[1, T, HV]`` (GDN) or ``[1, T, HV, K]``
 (KDA), beta ``[1, T, HV]``; states and state gradients ``[segments, HV, K, V]`` fp32, one row per
 local segment unless a method says otherwise; maps ``[segments, HV, K, V + K]`` fp32.
+
+Heads are independent, so a pass can run on a group of value heads (``heads``: a slice of the HV
+value heads, holding whole q/k heads: value head i reads q/k head ``i // (HV / H)``); its state
+(gradient) rows are then ``[len(segs), len(heads), K, V]``, and what it leaves for ``output`` /
+``backward_rest`` covers those heads only, the other groups' passes the rest. A core that runs head
+groups says so with ``head_slices``.
 """
 from __future__ import annotations
 
@@ -40,12 +48,17 @@ from megatron_kcp.parallel.plan import KCPPlan
 @dataclass
 class Prepared:
     """A core's inputs for one step. ``saved`` survives into the backward; ``fwd`` does not."""
-    saved: tuple                        # the prepared inputs the backward keeps (each core's own layout)
+    saved: tuple                        # the prepared inputs the backward keeps (each core's own layout, q first)
     plan: KCPPlan
     scale: float
     use_qk_l2norm: bool  # q and k are l2-normalised inside the op
     fwd: tuple = ()                     # forward-only intermediates (fla: the WY form's w, u)
     live: frozenset | None = None       # segments whose initial state may be nonzero (None: any of them)
+
+    @property
+    def qk_heads(self) -> int:
+        """H, the q/k heads (every core saves q ``[1, T, H, K]`` first)."""
+        return self.saved[0].shape[2]
 
 
 @dataclass
@@ -79,6 +92,9 @@ class LocalCore(Protocol):
     """True where ``output`` and ``backward_rest`` run their own state (gradient) passes: a strategy
     then runs ``state`` / ``backward_state`` only where a result leaves the rank or the op."""
 
+    head_slices: bool
+    """True where ``state`` and ``backward_state`` take ``heads`` (a group of value heads)."""
+
     def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, use_qk_l2norm: bool,
                 live: frozenset | None = None) -> Prepared:
         """Everything that needs no state, over the whole local stream."""
@@ -86,10 +102,11 @@ class LocalCore(Protocol):
     def states(self, P: Prepared, h0: torch.Tensor) -> States:
         """Empty buffers of the forward's state passes; ``h0`` is every segment's initial state."""
 
-    def state(self, P: Prepared, st: States, segs, h0: torch.Tensor) -> torch.Tensor:
+    def state(self, P: Prepared, st: States, segs, h0: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
         """Final states ``[len(segs), HV, K, V]`` of the local segments ``segs`` (sorted) from their
         initial states in ``h0``; what ``output`` needs goes into ``st``. A row nobody takes (no
-        successor) may be left undefined."""
+        successor) may be left undefined. ``heads``: the pass on those value heads only (rows
+        ``[len(segs), len(heads), K, V]``; ``h0`` still holds every head); None: on all of them."""
 
     def maps(self, P: Prepared, segs) -> torch.Tensor:
         """The affine map ``S_out = M S_in + H`` of each of ``segs`` as ``[len(segs), HV, K, V + K]``
@@ -102,10 +119,12 @@ class LocalCore(Protocol):
         """What the state-gradient passes of segments [lo, hi) need before their final-state gradients
         are known; ``h0`` holds their initial states."""
 
-    def backward_state(self, P: Prepared, B: Backward, segs, dht: torch.Tensor) -> torch.Tensor:
+    def backward_state(self, P: Prepared, B: Backward, segs, dht: torch.Tensor,
+                       heads: slice | None = None) -> torch.Tensor:
         """Initial-state gradients ``[len(segs), HV, K, V]`` of ``segs`` (sorted, in [B.lo, B.hi)) from
         the final-state gradients ``dht`` (a row per segment of the range); the rest goes into ``B``.
-        A row that leaves neither rank nor op may be left undefined."""
+        A row that leaves neither rank nor op may be left undefined. ``heads``: as in ``state``
+        (``dht`` still holds every head)."""
 
     def backward_rest(self, P: Prepared, B: Backward) -> tuple[torch.Tensor, ...]:
         """Gradients (q, k, v, g, beta) of the prepared tensors of segments [B.lo, B.hi), once every
@@ -119,3 +138,28 @@ class LocalCore(Protocol):
                       cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
         """o of whole sequences on one device, with autograd: the library's own call, fla's
         ``chunk_gated_delta_rule`` / ``chunk_kda`` surface (megatron-core's ``GatedDeltaRuleInterface``)."""
+
+
+def head_groups(value_heads: int, groups: int) -> list[slice | None]:
+    """The value heads cut into ``groups`` equal slices in order; ``[None]`` (every head at once) for one."""
+    if groups == 1:
+        return [None]
+    n = value_heads // groups
+    return [slice(i * n, (i + 1) * n) for i in range(groups)]
+
+
+def heads_of(x: torch.Tensor, heads: slice, value_heads: int, dim: int = 2) -> torch.Tensor:
+    """The part of ``x`` that the value heads ``heads`` read or write, a view: along ``dim``, the
+    value heads themselves where ``x`` has ``value_heads`` heads there, else their q/k heads
+    (``value_heads / x.shape[dim]`` value heads a q/k head; ``heads`` must hold whole q/k heads).
+
+    Args:
+        x: e.g. q, k ``[1, T, H, K]`` or v ``[1, T, HV, V]`` (``dim`` 2), states ``[n, HV, K, V]`` (``dim`` 1).
+        heads: a slice of the value heads, its ends multiples of ``value_heads / H``.
+    Returns:
+        ``x`` narrowed along ``dim`` (not contiguous in general).
+    """
+    n = value_heads // x.shape[dim]
+    if heads.start % n or heads.stop % n:
+        raise ValueError(f"value heads [{heads.start}, {heads.stop}) split a q/k head ({n} value heads each)")
+    return x.narrow(dim, heads.start // n, (heads.stop - heads.start) // n)

@@ -11,6 +11,12 @@ all-gather's slowest rank (a map pass over each segment that continues both ways
 each that only exports) plus the ring all-gather of the exchange slots. The constants are fitted on
 one-GPU timings of each rank's work (``benchmarks/simulate.py``, ``benchmarks/kernel_costs.py``);
 the choice moves with the map pass's cost, hardly with the state pass's.
+
+The relay's pipeline over head groups (:func:`pipeline_depth`): heads are independent, so a rank
+can send a group of heads' states as soon as that group's state pass is done. With G groups the
+longest chain's wait (its state passes before its last piece) shrinks to about 1/G, and each group
+adds its own launches and messages (``GROUP_COST`` per group and direction).
+``KCP_RELAY_GROUPS=G`` overrides the choice.
 """
 from __future__ import annotations
 
@@ -29,6 +35,10 @@ ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 # phase of launches, a state each way
 HOP, HOP_HEAD = 37e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
+STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
+# the relay's pipeline: starting values, not fitted (measure before trusting the choice)
+GROUP_COST = 30e-6         # s a head group adds per direction: its launches, messages and host work
+MIN_GROUP_HEADS = 16       # value heads a group needs to fill the GPU; below, a group's pass is hardly shorter
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,3 +112,61 @@ def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, head
     saved = layout_cost(cu_seqlens, layout, world_size, heads, head_dim) - \
         layout_cost(cu_seqlens, target, world_size, heads, head_dim)
     return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages)
+
+
+def relay_chain_pass(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int = STATE_PASS_HEADS,
+                     head_dim: int = STATE_PASS_DIM) -> float:
+    """Modelled seconds of the relay's longest chain of state passes: over the sequences, the most
+    tokens in the pieces before a sequence's last one, at ``STATE_PASS`` scaled to ``heads`` and
+    ``head_dim`` (a pass is K x V work per token and head). 0 where no sequence crosses a rank."""
+    before = {}
+    for p in all_plans(cu_seqlens, layout, world_size):
+        for i, n in enumerate(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])):
+            if p.succ[i] is not None:
+                before[p.seg_seq[i]] = before.get(p.seg_seq[i], 0) + n
+    scale = heads / STATE_PASS_HEADS * (head_dim / STATE_PASS_DIM) ** 2
+    return max(before.values(), default=0) * STATE_PASS * scale
+
+
+def pipeline_depths(value_heads: int, qk_heads: int) -> tuple[int, ...]:
+    """The head-group counts the relay can run: G divides the q/k heads H, so that each group of
+    HV / G value heads holds whole q/k heads (HV / H value heads read each)."""
+    return tuple(G for G in range(1, qk_heads + 1) if qk_heads % G == 0)
+
+
+def forced_depth(value_heads: int, qk_heads: int) -> int | None:
+    """``KCP_RELAY_GROUPS``, validated against the heads; None where it is unset."""
+    forced = os.environ.get("KCP_RELAY_GROUPS")
+    if not forced:
+        return None
+    fits = pipeline_depths(value_heads, qk_heads)
+    if not forced.strip().isdigit() or int(forced) not in fits:
+        raise ValueError(f"KCP_RELAY_GROUPS={forced!r}: the relay's head groups must divide the value heads "
+                         f"(HV={value_heads}) into groups of whole q/k heads (H={qk_heads}), so G must divide "
+                         f"H: use one of {', '.join(map(str, fits))} (or unset it for the cost model)")
+    return int(forced)
+
+
+def pipeline_depth(plan: KCPPlan, value_heads: int, qk_heads: int | None = None, head_dim: int = 128) -> int:
+    """G, the head groups the relay pipelines its state passes over (forward and backward alike), from
+    what every rank shares: 1 where nothing crosses a rank or the chain is too short to pay for a group.
+    ``KCP_RELAY_GROUPS`` overrides it.
+
+    Args:
+        plan: this rank's plan (only its global cu_seqlens, layout and CP size are read).
+        value_heads: HV; qk_heads: H (default HV); head_dim: K (= V).
+    Returns:
+        G, a divisor of H (see :func:`pipeline_depths`).
+    """
+    qk_heads = value_heads if qk_heads is None else qk_heads
+    forced = forced_depth(value_heads, qk_heads)
+    if forced is not None:
+        return forced
+    return _pipeline_depth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads, qk_heads, head_dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_depth(cu_seqlens, layout, world_size, value_heads, qk_heads, head_dim) -> int:
+    wait = relay_chain_pass(cu_seqlens, layout, world_size, value_heads, head_dim) if world_size > 1 else 0.0
+    fits = [G for G in pipeline_depths(value_heads, qk_heads) if G == 1 or value_heads // G >= MIN_GROUP_HEADS]
+    return min(fits, key=lambda G: (wait / G + (G - 1) * GROUP_COST, G))

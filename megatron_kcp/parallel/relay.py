@@ -14,6 +14,14 @@ state gradient, rest) and sends as soon as its state pass is done, so the rest o
 overlaps the transfer. When they interleave (per-document zigzag: [front, back] per document),
 each phase runs only the state (gradient) pass of its own segments, one launch for the scattered
 set, and the rest of the step runs once over the whole stream.
+
+Pipelined over head groups: heads are independent, so within a phase the state (gradient) pass runs
+group of value heads by group, and each group's rows leave as soon as its pass is done, while the
+next group's runs; the receiver waits for each group's rows just before that group's pass. The next
+rank then starts after about 1/G of a pass instead of a whole one, in both directions. G comes
+from :func:`megatron_kcp.parallel.cost_model.pipeline_depth` (the same on every rank, and in the
+forward and the backward); G = 1 (``heads`` None) runs every head at once. Messages between two
+ranks keep one order on both sides: phase by phase, group by group.
 """
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import P2P
+from megatron_kcp.parallel.core import head_groups
+from megatron_kcp.parallel.cost_model import pipeline_depth
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
@@ -75,9 +85,10 @@ def _by_peer(segs, links):
     return out
 
 
-def _receive(p2p: P2P, segs, links, into: torch.Tensor):
+def _receive(p2p: P2P, segs, links, into: torch.Tensor, heads: slice | None = None):
     """Post the receives of ``segs`` (from the ranks ``links`` names); calling the result waits for
-    them and fills their rows of ``into``."""
+    them and fills their rows of ``into`` (on the value heads ``heads`` only, unless None)."""
+    into = into if heads is None else into[:, heads]
     groups = _by_peer(segs, links)
     bufs = {peer: into.new_empty(len(s), *into.shape[1:]) for peer, s in groups.items()}
     pending = p2p.recv(bufs)
@@ -100,16 +111,33 @@ def _send(p2p: P2P, segs, links, rows: torch.Tensor, ph: Phase) -> None:
     p2p.send(out)
 
 
+def pipeline(core, P, plan: KCPPlan, h0: torch.Tensor) -> list[slice | None]:
+    """The head groups of the relay's passes, in order (``[None]``: every head at once): the cost
+    model's G from what every rank shares (plan, heads, head dim), forward and backward alike; 1 on
+    a core that cannot run a pass on some heads."""
+    if not getattr(core, "head_slices", False):
+        return [None]
+    HV, K = h0.shape[1], h0.shape[2]
+    return head_groups(HV, pipeline_depth(plan, HV, P.qk_heads, K))
+
+
 class Relay(StateExchange):
     name = "relay"
+
+    def check(self, q, v, plan, initial_state):
+        """A bad ``KCP_RELAY_GROUPS`` fails here, before any kernel."""
+        pipeline_depth(plan, v.shape[2], q.shape[2], q.shape[3])
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output of the local stream, nothing for the backward); fills ``h0`` (every segment's
         initial state) as states arrive."""
         p2p, st, outs = P2P(group), core.states(P, h0), []
+        heads = pipeline(core, P, plan, h0)
         for ph in phases(plan, backward=False):
-            _receive(p2p, ph.recv, plan.pred, h0)()
-            _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0), ph)
+            arrivals = [_receive(p2p, ph.recv, plan.pred, h0, hs) for hs in heads]
+            for hs, arrived in zip(heads, arrivals):
+                arrived()
+                _send(p2p, ph.send, plan.succ, core.state(P, st, ph.segs, h0, heads=hs), ph)
             if ph.span:
                 outs.append((ph.span[0], core.output(P, st, *ph.span)))
         p2p.finish()
@@ -119,18 +147,19 @@ class Relay(StateExchange):
         """(input gradients of the local stream, dh0 where a sequence starts). Each phase prepares what does
         not need the incoming state gradient while that is on its way (disjoint mode), or the whole
         stream is prepared first (interleaved)."""
-        steps = phases(plan, backward=True)
+        steps, heads = phases(plan, backward=True), pipeline(core, P, plan, h0)
         p2p, outs, n = P2P(group), [], plan.num_segments
         dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
         B = None if steps[0].span else core.backward_prepare(P, 0, n, h0, do)
         for ph in steps:
-            arriving = _receive(p2p, ph.recv, plan.succ, dht)
+            arrivals = [_receive(p2p, ph.recv, plan.succ, dht, hs) for hs in heads]
             if ph.span:
                 B = core.backward_prepare(P, *ph.span, h0[slice(*ph.span)], do)
-            arriving()
-            d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi])
-            _send(p2p, ph.send, plan.pred, d, ph)
-            keep_starts(plan, dh0, d, ph.segs)
+            for hs, arrived in zip(heads, arrivals):
+                arrived()
+                d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi], heads=hs)
+                _send(p2p, ph.send, plan.pred, d, ph)
+                keep_starts(plan, dh0 if hs is None else dh0[:, hs], d, ph.segs)
             if ph.span:
                 outs.append((ph.span[0], core.backward_rest(P, B)))
         if not outs:

@@ -367,6 +367,49 @@ def test_cp_matches_single_gpu(world_size):
     spawn(_cp_vs_single, world_size, layouts, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
 
 
+def _head_groups(layouts, G):
+    """The relay with its passes pipelined over G head groups (``KCP_RELAY_GROUPS``) against G = 1, on
+    fla's core (GDN and KDA) and flash-qla's (GDN, where it runs), bf16: the same kernels on fewer heads
+    at a time, with the group's inputs (and fla's written buffers) copied, so the output and every input
+    gradient should agree to well below the CP tolerance (autotuning may pick other tiles for fewer
+    heads; nothing else may differ)."""
+    from megatron.core import parallel_state as ps
+    from megatron_kcp.environment import qla_runs
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    for kda in (False, True):
+        gen = torch.Generator().manual_seed(100 + W)
+        cu = long_memory_cu(gen, W)
+        xs = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.bfloat16, device="cuda")
+        do = torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", torch.bfloat16)
+        qla = not kda and qla_runs(xs[0].device, torch.bfloat16, False, (K, V))
+        for layout in layouts:
+            plan = build_plan(cu, layout, W, r, KS)
+            loc = shard(plan, *xs, do)
+            for backend in ("fla", "qla") if qla else ("fla",):
+                runs = {}
+                for depth in (1, G):
+                    os.environ["KCP_RELAY_GROUPS"] = str(depth)
+                    ys = [x.detach().clone().requires_grad_() for x in loc[:5]]
+                    o = kcp.gated_delta_rule(*ys, plan, group, use_qk_l2norm=True, backend=backend, strategy="relay")
+                    runs[depth] = [o, *torch.autograd.grad(o, ys, loc[5])]
+                os.environ.pop("KCP_RELAY_GROUPS")
+                errs = torch.tensor([rel_err(a, b) for a, b in zip(runs[G], runs[1])], device="cuda",
+                                    dtype=torch.float64)
+                dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
+                line = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {backend} G={G} against G=1: " +
+                        " ".join(f"{n}:{e:.1e}" for n, e in zip(NAMES[:6], errs.tolist())))
+                if r == 0:
+                    print(line, flush=True)
+                assert errs.max().item() <= TOL[torch.bfloat16] / 10, line
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_relay_head_groups_match_one_group(world_size):
+    layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
+    spawn(_head_groups, world_size, layouts, 2 if world_size == 2 else 4)
+
+
 def _host_syncs(layouts, out_dir):
     """Every layout and strategy (GDN and KDA, with the conv), once to build the plan's caches, then once
     more fwd+bwd under CUDA's sync debug mode: the host must never wait for the GPU in our code. A wait
