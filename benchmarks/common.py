@@ -10,18 +10,18 @@ import torch.multiprocessing as mp
 
 VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)
 CONV = 4                                           # conv kernel size the plans carry (halo of 3 tokens)
-DOCS = ("single", "varlen", "varlen100")
+DOCS = ("single", "varlen", "varlen100")            # the default sets; cu_seqlens takes any varlenN
 
 
-def _weights100() -> list[float]:
-    """100 document lengths (log-normal, fixed seed), as fractions of the stream."""
-    w = torch.exp(0.8 * torch.randn(100, generator=torch.Generator().manual_seed(100), dtype=torch.float64))
+def _weights(n: int) -> list[float]:
+    """``n`` document lengths (log-normal, fixed seed), as fractions of the stream."""
+    w = torch.exp(0.8 * torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64))
     return (w.cumsum(0) / w.sum()).tolist()
 
 
 def cu_seqlens(docs: str, T: int, pad: int = 1) -> tuple[int, ...]:
-    """``single``: one sequence; ``varlen``: the 10 documents of VARLEN_32K scaled to T; ``varlen100``:
-    100 documents (0.1% to 5% of the stream). Every document is a multiple of ``pad`` tokens, as
+    """``single``: one sequence; ``varlen``: the 10 documents of VARLEN_32K scaled to T; ``varlen100``,
+    ``varlen300``: 100 or 300 log-normal lengths (100: 0.1% to 5% of the stream). Every document is a multiple of ``pad`` tokens, as
     Megatron pads THD documents to 2 x CP for the per-document layout."""
     if docs == "single":
         return (0, T)
@@ -32,7 +32,7 @@ def cu_seqlens(docs: str, T: int, pad: int = 1) -> tuple[int, ...]:
         if any(b <= a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"T={T} is too short for the varlen set with padding {pad}: use more --tokens")
         return cu
-    frac = _weights100()
+    frac = _weights(int(docs.removeprefix("varlen")))
     rest = T - len(frac) * pad                     # every document gets ``pad`` tokens, then its share
     if rest < 0:
         raise ValueError(f"T={T} is too short for the {docs} set with padding {pad}: use more --tokens")

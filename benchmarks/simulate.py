@@ -10,13 +10,15 @@ flash-qla's; the reference on CPU) runs with the
 exchange stubbed: relay's ``P2P`` and gather's ``all_gather`` move nothing (a receive leaves zeros, an
 all-gather returns W copies of the local buffer: the kernels cost the same whatever the states hold)
 and mark the rank's timeline in stream order: ('send', peer, bytes), ('wait', peer), ('allgather',
-bytes), and ('phase',) between forward and backward. The compute between marks is timed with CUDA
+bytes), ('alltoall', bytes) (the layout conversion's; its rows arrive as zeros), and ('phase',)
+between forward and backward. fla's own CP all-gathers are stubbed alike. The compute between marks is timed with CUDA
 events (CPU: perf_counter), median over --iters after --warmup calls (fla autotunes in the warm-up).
 
 ``simulate`` replays all ranks' timelines side by side over a link of latency alpha and bandwidth bw
 (defaults: the fit to this project's 2 x H200 NVLink all-gathers, BENCHMARKS.md): a send delivers at
 t + alpha + bytes/bw and does not stall the sender; a wait stalls until the peer's next message has
-arrived; an all-gather (ring) releases every rank at the last arrival + (W-1)(alpha + bytes/bw). The
+arrived; an all-gather (ring) releases every rank at the last arrival + (W-1)(alpha + bytes/bw), an
+all-to-all at the last arrival + alpha + (W-1)/W bytes/bw. The
 prediction is the slowest rank's clock at the 'phase' mark (fwd) and at the end (fwd+bwd); eff =
 t_noCP / (W t_pred), noCP being the same op at W=1 on the same device and core. Busy: a rank's compute; idle:
 its time blocked (its end clock minus busy). Sent: bytes a rank puts on the link (ring all-gather:
@@ -29,6 +31,7 @@ host-bound gaps count as compute).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import os
@@ -94,21 +97,51 @@ class Recorder:
         self.mark("allgather", x.nbytes)
         return x.unsqueeze(0).expand(self.W, *x.shape).contiguous()
 
+    def all_to_all_rows(self, x, send_counts, recv_counts, group):
+        """Stands in for ``relayout.all_to_all_rows``: the rows this rank would receive, as zeros."""
+        self.mark("alltoall", x.nbytes)
+        return x.new_zeros(sum(recv_counts), *x.shape[1:])
 
-def rank_timeline(plan, xs, do, strategy: str, backend: str, args, max_segment=None) -> list[tuple]:
-    """One rank's KCP fwd+bwd as a timeline: ('compute', seconds) between its exchange points."""
+    def fla_all_gather(self, inp, out=None, group=None, async_op=False):
+        """Stands in for fla's CP all-gather (``fla.ops.cp.comm.all_gather_into_tensor``)."""
+        self.mark("allgather", inp.nbytes)
+        return inp.unsqueeze(0).expand(self.W, *inp.shape).contiguous(), None
+
+    def patches(self, rank: int):
+        """Every exchange point of KCP, its layout conversion and fla's CP, stubbed for this rank."""
+        from megatron_kcp.parallel import relayout
+        ps = [mock.patch.object(relay, "P2P", self.p2p), mock.patch.object(gather, "all_gather", self.all_gather),
+              mock.patch.object(relayout, "all_to_all_rows", self.all_to_all_rows),
+              mock.patch("torch.distributed.get_world_size", lambda group=None: self.W),
+              mock.patch("torch.distributed.get_rank", lambda group=None: rank)]
+        try:
+            import fla.ops.cp.chunk_delta_h as fla_cp
+            ps.append(mock.patch.object(fla_cp, "all_gather_into_tensor", self.fla_all_gather))
+        except ImportError:
+            pass
+        return ps
+
+
+def rank_timeline(plan, xs, do, strategy: str, backend: str, args, max_segment=None, fn=None) -> list[tuple]:
+    """One rank's KCP fwd+bwd as a timeline: ('compute', seconds) between its exchange points.
+    ``fn(*leaves)`` (default: ``kcp.gated_delta_rule`` with ``strategy``, ``backend``) is the step timed."""
     from megatron_kcp.ops import kcp
     idx = local_token_index(plan).to(do.device)
     leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
     backend = backend if do.is_cuda else "reference"
+    if fn is None:
+        def fn(*x):
+            return kcp.gated_delta_rule(*x, plan, NO_GROUP, use_qk_l2norm=True, backend=backend, strategy=strategy,
+                                        max_segment=max_segment)
     runs = []
 
     def step():
         rec = Recorder(plan.world_size, do.is_cuda)
-        with mock.patch.object(relay, "P2P", rec.p2p), mock.patch.object(gather, "all_gather", rec.all_gather):
+        with contextlib.ExitStack() as stack:
+            for p in rec.patches(plan.rank):
+                stack.enter_context(p)
             rec.mark("start")
-            o = kcp.gated_delta_rule(*leaves, plan, NO_GROUP, use_qk_l2norm=True, backend=backend, strategy=strategy,
-                                     max_segment=max_segment)
+            o = fn(*leaves)
             rec.mark("phase")
             torch.autograd.grad(o, leaves, dl)
             rec.mark("end")
@@ -152,12 +185,16 @@ def simulate(timelines, alpha: float, bw: float):
                     if not inbox[a[0], r]:
                         break
                     clock[r] = max(clock[r], inbox[a[0], r].popleft())
-                elif kind == "allgather":
+                elif kind in ("allgather", "alltoall"):
+                    # collectives in issue order; a ring all-gather moves W - 1 buffers a rank, an all-to-all
+                    # (W - 1) / W of one (each rank keeps its own share)
                     g = gathers[ngather[r]]
                     g[r] = (clock[r], a[0])
                     if len(g) < W:
                         break
-                    clock[r] = max(t for t, _ in g.values()) + (W - 1) * (alpha + max(n for _, n in g.values()) / bw)
+                    n = max(n for _, n in g.values())
+                    cost = (W - 1) * (alpha + n / bw) if kind == "allgather" else alpha + n * (W - 1) / W / bw
+                    clock[r] = max(t for t, _ in g.values()) + cost
                     ngather[r] += 1
                 elif kind == "phase":
                     phase[r] = clock[r]

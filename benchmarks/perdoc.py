@@ -1,0 +1,406 @@
+"""Packed documents at W CP ranks, predicted from one GPU: op, mixer and hybrid-block level.
+
+    python benchmarks/perdoc.py --csv benchmarks/results/perdoc_h200x1_predicted.csv
+    python benchmarks/perdoc.py --shapes qwen3-next --tokens 131072 --cp 2 4 8 16 64 --levels ops
+    python benchmarks/perdoc.py --smoke            # CPU, reference core, tiny sizes: checks the script
+
+Megatron's layout of a packed THD batch (per-document zigzag: every document cut into 2W chunks)
+against the peers, fwd+bwd, per shape (``--shapes``: ``qwen3-next`` GDN, 16 q/k and 32 v heads,
+K = V = 128, d_model 2048, attention 16 q / 2 kv heads of 256; ``kimi-linear`` KDA, 32 heads, K = V = 128,
+d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``h64-gdn`` /
+``h64-kda``: 64 heads, op level), tokens T and documents (``single``, ``varlen`` 10, ``varlen100``,
+``varlen300``, each a multiple of 2W tokens). Methods:
+
+* ``noCP``, ``noCP-qla``: the whole pack on one GPU (fla's call; flash-qla's for GDN), measured;
+* ``cp2hp``: megatron-core's all-to-all to head shards: the core on the whole pack with H/W heads
+  (measured) and its four all-to-alls of q, k, v, g, beta and o over the link;
+* ``mlm-chunkwise``: Megatron-LM dev's scheme: an all-to-all to the contiguous layout per linear
+  layer (op level: of q, k, v, g, beta; mixer and block: of the hidden states), fla's CP call
+  (``build_cp_context``, its all-gathers over the link), and back;
+* ``kcp-noconvert``: our step on the per-document layout (``KCP_CONVERT=0``);
+* ``kcp``: the default (``note``: its strategy and layout); at mixer and block level the hidden
+  states move once per run of linear layers (four all-to-alls), at op level the op's own inputs
+  where the cost model says so.
+
+Predicted (``source`` = predicted): every rank's step timed alone with its exchange stubbed and
+replayed over the fitted link (``simulate.py``), the slowest rank. Mixer level adds the mixer's
+per-token work at T/W tokens (the mixer at CP=1 with its gated delta rule stubbed, measured) and the
+hidden-state all-to-alls. Block level (3 linear + 1 softmax attention, one run of linear layers):
+three mixers' cores, the per-token work of all four layers at T/W tokens (measured with the cores
+stubbed), the attention core's share (varlen flash attention over the pack / W: the per-document
+zigzag gives each rank 1/W of every document's causal work) and its K/V all-gather. ``eff`` =
+noCP / (W ms); ``x_cp2hp`` = cp2hp / ms.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks import simulate  # noqa: E402
+from benchmarks.common import CONV, cu_seqlens, fresh_leaves  # noqa: E402
+from benchmarks.table import COLUMNS  # noqa: E402
+from megatron_kcp.parallel.plan import build_plan  # noqa: E402
+
+DOCS = ("single", "varlen", "varlen100", "varlen300")
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str                  # GDN | KDA
+    H: int                      # q/k heads
+    HV: int                     # v heads
+    K: int                      # head dim (K = V)
+    hidden: int = 0             # d_model (0: op level only)
+    attn: tuple[int, int, int] = (0, 0, 0)    # softmax attention: q heads, kv heads, head dim
+
+
+SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
+          "kimi-linear": Shape("KDA", 32, 32, 128, 2304, (32, 32, 128)),
+          "h64-gdn": Shape("GDN", 64, 64, 128), "h64-kda": Shape("KDA", 64, 64, 128)}
+TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
+
+
+def inputs(s: Shape, T: int, dtype, dev, seed: int):
+    """q, k, v, g (fp32 log decay, slow), beta and do of one pack."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    r = dict(device=dev, generator=gen)
+    q, k = (torch.randn(1, T, s.H, s.K, dtype=dtype, **r) for _ in range(2))
+    v = torch.randn(1, T, s.HV, s.K, dtype=dtype, **r)
+    g = -1e-3 * (0.5 + torch.rand(1, T, s.HV, *((s.K,) if s.model == "KDA" else ()), **r))
+    beta = torch.rand(1, T, s.HV, dtype=dtype, **r)
+    return [q, k, v, g, beta], torch.randn(1, T, s.HV, s.K, dtype=dtype, **r)
+
+
+def timed(step, args) -> float:
+    """Median seconds of ``step()`` after the warm-up."""
+    cuda = torch.cuda.is_available() and not args.smoke
+    times = []
+    for i in range(args.warmup + args.iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            t = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            step()
+            t = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(t)
+    return statistics.median(times)
+
+
+def fwd_bwd(fn, xs, do):
+    leaves = fresh_leaves(xs)
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, do)
+
+
+def link(nbytes: float, W: int, args) -> float:
+    """Seconds of one all-to-all moving ``nbytes`` of a rank's rows ((W-1)/W of them leave)."""
+    return args.alpha_us * 1e-6 + nbytes * (W - 1) / W / (args.bw_gbs * 1e9)
+
+
+def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
+    """(slowest rank's simulated fwd+bwd seconds, bytes it sent) with ``fn_of(plan)`` each rank's step."""
+    tls = []
+    for r in range(W):
+        plan = build_plan(cu, "zigzag_per_doc", W, r, CONV)
+        tls.append(simulate.rank_timeline(plan, xs, do, "auto", "fla", args, fn=fn_of(plan)))
+    ends, _ = simulate.simulate(tls, args.alpha_us * 1e-6, args.bw_gbs * 1e9)
+    sent = max(sum(x[2] for x in tl if x[0] == "send") + sum(x[1] for x in tl if x[0] in ("allgather", "alltoall"))
+               for tl in tls)
+    return max(ends), sent
+
+
+def core_steps(s: Shape, cu, W, xs, do, args, backend):
+    """{method: (seconds, bytes sent, note)} of the core's CP step alone; ``hidden``: the mixers' conversions
+    happen outside (the core runs on the contiguous plan), else the op converts its own inputs."""
+    from megatron_kcp.ops import dispatch, kcp
+    from megatron_kcp.parallel.convert import target_plan
+    from megatron_kcp.parallel.relayout import relayout
+    out = {}
+
+    def ours(plan, strategy="auto"):
+        return lambda *x: kcp.gated_delta_rule(*x, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend,
+                                               strategy=strategy)
+    with mock.patch.dict(os.environ, {"KCP_CONVERT": "0"}):
+        out["kcp-noconvert"] = (*predicted(cu, W, xs, do, ours, args),
+                                dispatch.decide(build_plan(cu, "zigzag_per_doc", W, 0), xs[0], xs[2], xs[3],
+                                                backend).describe())
+    plan0 = build_plan(cu, "zigzag_per_doc", W, 0)
+    out["kcp-op"] = (*predicted(cu, W, xs, do, ours, args),
+                     dispatch.decide(plan0, xs[0], xs[2], xs[3], backend).describe())
+    contiguous = build_plan(cu, "contiguous", W, 0)
+    out["kcp-contiguous"] = (*predicted(cu, W, xs, do, lambda p: ours(target_plan(p, "contiguous")), args),
+                             dispatch.decide(contiguous, xs[0], xs[2], xs[3], backend).describe())
+    if not args.smoke:
+        from benchmarks.ops import chunk_kernel
+        from fla.ops.cp import build_cp_context
+        kernel = chunk_kernel(s.model, xs[0].device)
+        dev = xs[0].device
+
+        def fla_cp(plan, convert):
+            """fla's CP call on this rank's contiguous share (moved there and back where ``convert``)."""
+            with mock.patch("torch.distributed.get_world_size", lambda group=None: W), \
+                    mock.patch("torch.distributed.get_rank", lambda group=None: plan.rank):
+                ctx = build_cp_context(torch.tensor(cu, device=dev), group=simulate.NO_GROUP,
+                                       cu_seqlens_cpu=torch.tensor(cu), layout="contiguous")
+
+            def run(*x):
+                if convert:
+                    x = [t[None] for t in relayout([t[0] for t in x], cu, plan.layout, "contiguous",
+                                                   simulate.NO_GROUP)]
+                o = kernel(*x, cp_context=ctx)
+                if convert:
+                    o = relayout([o[0]], cu, "contiguous", plan.layout, simulate.NO_GROUP)[0][None]
+                return o
+            return run
+        out["mlm-op"] = (*predicted(cu, W, xs, do, lambda p: fla_cp(p, True), args), "fla CP, contiguous")
+        out["mlm-contiguous"] = (*predicted(cu, W, xs, do, lambda p: fla_cp(p, False), args), "fla CP, contiguous")
+    return out
+
+
+def single_core(s: Shape, cu, xs, do, args, heads_div: int = 1, qla: bool = False) -> float:
+    """Seconds of the one-device call on the whole pack (``heads_div``: with H/heads_div heads, as cp2hp runs it)."""
+    dev = xs[0].device
+    xs = [x[:, :, : x.shape[2] // heads_div].contiguous() for x in xs]
+    do = do[:, :, : do.shape[2] // heads_div].contiguous()
+    cu_dev = torch.tensor(cu, device=dev, dtype=torch.long)
+    if args.smoke:
+        from megatron_kcp.ops import reference
+        fn = (lambda *x: reference.chunk_gated_delta_rule_fp64(*x, use_qk_l2norm=True, cu_seqlens=torch.tensor(cu))[0])
+    elif qla:
+        from benchmarks.ops import flash_qla_call
+        fn = flash_qla_call(cu_dev)
+    else:
+        from benchmarks.ops import chunk_kernel
+        kernel = chunk_kernel(s.model, dev)
+        fn = (lambda *x: kernel(*x, cu_dev, torch.tensor(cu)))
+    return timed(fwd_bwd(fn, xs, do), args)
+
+
+def attention_core(s: Shape, cu, dtype, dev, args) -> float:
+    """Seconds of causal attention over the pack, document by document (fwd+bwd): flash varlen attention."""
+    hq, hkv, d = s.attn
+    T = cu[-1]
+    gen = torch.Generator(device=dev).manual_seed(5)
+    q, k, v, do = (torch.randn(T, h, d, device=dev, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq))
+    cu_t = torch.tensor(cu, device=dev, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if args.smoke:
+        import torch.nn.functional as F
+
+        def fn(q, k, v):
+            return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                                             is_causal=True, enable_gqa=hq != hkv)[0].transpose(0, 1)
+                              for a, b in zip(cu, cu[1:])])
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+        if hkv != hq:
+            k, v = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
+
+        def fn(q, k, v):
+            try:
+                return varlen_attn(q, k, v, cu_t, cu_t, longest, longest, window_size=(-1, 0))
+            except TypeError:                           # torch < 2.12: is_causal
+                return varlen_attn(q, k, v, cu_t, cu_t, longest, longest, is_causal=True)
+    return timed(fwd_bwd(fn, [q, k, v], do), args)
+
+
+def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev, args) -> float:
+    """Seconds (fwd+bwd) of the mixer (``what`` = mixer) or the 4-layer hybrid block (block) at CP=1 on
+    ``tokens`` tokens with every gated delta rule and the attention core stubbed: the work that scales
+    with a rank's tokens whatever the CP scheme."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_kcp import spec
+    from megatron_kcp.layers.attention import CPDotProductAttention
+    from megatron_kcp.ops import kcp
+    from megatron_kcp.testing.layers import Shape as LShape
+    from megatron_kcp.testing.layers import build, config
+    m = s.model.lower()
+    ls = LShape(hidden=s.hidden, heads=(s.H, s.HV), head_dim=s.K, seq=tokens, batch=1, device=dev.type)
+    kw = dict(bf16=True, params_dtype=torch.bfloat16) if dtype == torch.bfloat16 else {}
+    kw["use_cpu_initialization"] = dev.type == "cpu"
+    if s.model == "KDA":
+        kw["kda_gate_rank"] = s.K
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    if what == "mixer":
+        mod = build(m, config(m, ls, **kw), pg, dev.type)
+    else:
+        hq, hkv, d = s.attn
+        cfg = config(m, ls, num_layers=4, linear_attention_freq=4, num_attention_heads=hq, num_query_groups=hkv,
+                     kv_channels=d, ffn_hidden_size=4 * s.hidden, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+        mod = TransformerBlock(cfg, spec.kda_hybrid_layer_spec if m == "kda" else spec.gdn_hybrid_layer_spec,
+                               pg_collection=pg).to(dev)
+    mod = mod.to(dtype)
+    x = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype)
+
+    def stub_core(q, k, v, g, beta, *a, **kw):
+        return v * 1.0
+
+    def stub_attn(self, query, key, value, *a, **kw):
+        return query.reshape(query.shape[0], query.shape[1], -1) * 1.0
+
+    def step():
+        out = mod(x, None) if what == "block" else mod(x)[0]
+        torch.autograd.grad(out, [x, *mod.parameters()], dy, allow_unused=True)
+    with mock.patch.object(kcp, "gated_delta_rule", stub_core), \
+            mock.patch.object(CPDotProductAttention, "forward", stub_attn), \
+            mock.patch.dict(os.environ, {"KCP_CONVERT": "0"}):
+        return timed(step, args)
+
+
+def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype, write) -> None:
+    cu = cu_seqlens(docs, T, pad=2 * W)
+    xs, do = inputs(s, T, dtype, dev, seed=T + W)
+    backend = "reference" if args.smoke else "fla"
+    e = torch.finfo(dtype).bits // 8
+    in_bytes = T // W * ((2 * s.H * s.K + s.HV * s.K + s.HV) * e + s.HV * (s.K if s.model == "KDA" else 1) * 4)
+    o_bytes = T // W * s.HV * s.K * e
+    hidden_bytes = T // W * s.hidden * e
+    base = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, head_dim=s.K, dtype=str(dtype).split(".")[-1],
+                source="predicted", W=W)
+    nocp = single_core(s, cu, xs, do, args)
+    qla = single_core(s, cu, xs, do, args, qla=True) if s.model == "GDN" and not args.smoke and args.qla else None
+    core = core_steps(s, cu, W, xs, do, args, backend)
+    cp2hp_core = single_core(s, cu, xs, do, args, heads_div=W) if s.H % W == 0 else None
+    cp2hp = None if cp2hp_core is None else cp2hp_core + 2 * (link(in_bytes, W, args) + link(o_bytes, W, args))
+
+    levels = {"ops": (0.0, 0.0, 1)}
+    if s.hidden and "mixer" in args.levels:
+        levels["mixer"] = (per_token_work(shape_name, s, T // W, "mixer", dtype, dev, args),
+                           per_token_work(shape_name, s, T, "mixer", dtype, dev, args), 1)
+    if s.hidden and "block" in args.levels:
+        attn = attention_core(s, cu, dtype, dev, args)
+        hq, hkv, d = s.attn
+        kv_gather = (W - 1) * (args.alpha_us * 1e-6 + 2 * T // W * hkv * d * e / (args.bw_gbs * 1e9)) * 2
+        levels["block"] = (per_token_work(shape_name, s, T // W, "block", dtype, dev, args) + attn / W + kv_gather,
+                           per_token_work(shape_name, s, T, "block", dtype, dev, args) + attn, 3)
+    for level, (rest, rest_nocp, layers) in levels.items():
+        if level not in args.levels:
+            continue
+        # hidden-state all-to-alls: four per run of linear layers (kcp), four per layer (Megatron-LM dev)
+        conv_run = 4 * link(hidden_bytes, W, args)
+        rows = {"noCP": (rest_nocp + layers * nocp, 1, "")}
+        if qla is not None:
+            rows["noCP-qla"] = (rest_nocp + layers * qla, 1, "flash-qla's call")
+        if cp2hp is not None:
+            rows["cp2hp"] = (rest + layers * cp2hp, W, "")
+        if level == "ops":
+            if "mlm-op" in core:
+                rows["mlm-chunkwise"] = (core["mlm-op"][0], W, core["mlm-op"][2])
+            rows["kcp-noconvert"] = (core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+            rows["kcp"] = (core["kcp-op"][0], W, core["kcp-op"][2])
+        else:
+            if "mlm-contiguous" in core:
+                rows["mlm-chunkwise"] = (rest + layers * (core["mlm-contiguous"][0] + conv_run), W,
+                                         "fla CP, hidden states converted per layer")
+            rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+            # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
+            from megatron_kcp.layers.layout import SOURCE
+            from megatron_kcp.parallel.cost_model import convert_pays
+            he = s.hidden * e
+            if convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers):
+                rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
+                               f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
+            else:
+                rows["kcp"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+        for method, (sec, width, note) in rows.items():
+            ms = sec * 1e3
+            eff = rows["noCP"][0] / (W * sec) if width > 1 else 1.0
+            x = rows["cp2hp"][0] / sec if "cp2hp" in rows and width > 1 else ""
+            write(dict(base, level=level, method=method, W=width, ms=ms, eff=eff, x_cp2hp=x, note=note,
+                       layout="-" if width == 1 else "zigzag_per_doc", **{"pass": "fwd+bwd"}))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--docs", nargs="+", choices=DOCS, default=list(DOCS))
+    p.add_argument("--cp", type=int, nargs="+", default=[2])
+    p.add_argument("--levels", nargs="+", choices=["ops", "mixer", "block"], default=["ops", "mixer", "block"])
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-qla", dest="qla", action="store_false", help="skip flash-qla's one-GPU call")
+    p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
+    p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
+    args = p.parse_args(argv)
+    args.profile, args.max_segment = 0, None          # what simulate.rank_timeline reads
+    if args.smoke:
+        args.tokens, args.warmup, args.iters, args.dtype = [512], 0, 1, "float32"
+        args.shapes = [n for n in args.shapes if n in TINY]
+        shapes = {n: TINY[n] for n in args.shapes}
+    else:
+        shapes = {n: SHAPES[n] for n in args.shapes}
+    os.environ.setdefault("FLA_FLASH_QLA", "0")      # fla's own kernels under every fla call; flash-qla's is noCP-qla
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    dtype = getattr(torch, args.dtype)
+    init_megatron(dev)
+    columns = list(COLUMNS) + ["source"]
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            csv.DictWriter(f, columns).writeheader()
+
+    def write(row):
+        print(" ".join(f"{row.get(c, '')}" if not isinstance(row.get(c), float) else f"{row[c]:.4g}"
+                       for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "ms", "eff", "x_cp2hp",
+                                 "note")), flush=True)
+        if args.csv:
+            with open(args.csv, "a", newline="") as f:
+                csv.DictWriter(f, columns, extrasaction="ignore").writerow(row)
+    for name, s in shapes.items():
+        for T in args.tokens:
+            for docs in args.docs:
+                for W in args.cp:
+                    try:
+                        case(name, s, T, docs, W, args, dev, dtype, write)
+                    except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
+                        write(dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W,
+                                   note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+
+
+def init_megatron(dev):
+    """One process, CP = TP = 1: Megatron's groups for the modules timed at CP=1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_kcp.testing import megatron_cpu
+    megatron_cpu.enable()
+    if not dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    if dev.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(0)
+
+
+if __name__ == "__main__":
+    main()
