@@ -23,11 +23,12 @@ CP group. A ``[s, b]`` batch with b > 1 (rows, not packed documents) is not conv
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_kcp.parallel.cost_model import convert_pays
+from megatron_kcp.parallel.cost_model import CONVERT_ENV, convert_pays
 from megatron_kcp.parallel.plan import check_cu_seqlens
 from megatron_kcp.parallel.relayout import check_tp_cp_group, relayout
 
@@ -62,7 +63,7 @@ def hidden_bytes(config) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _converts(cu, cp, heads, head_dim, bytes_per_token, messages) -> bool:
+def _converts(cu, cp, heads, head_dim, bytes_per_token, messages, forced) -> bool:
     return convert_pays(cu, SOURCE, cp, heads, head_dim, bytes_per_token, messages)
 
 
@@ -73,7 +74,7 @@ def converts(config, cu: tuple[int, ...] | None, cp: int, tp: int, run_length: i
         return False
     heads = config.linear_num_value_heads // tp
     return _converts(cu, cp, heads, config.linear_value_head_dim, 4 * hidden_bytes(config) / run_length,
-                     4 / run_length)
+                     4 / run_length, os.environ.get(CONVERT_ENV))      # the override is part of the key
 
 
 def conversion_group(pg_collection, sequence_parallel: bool):

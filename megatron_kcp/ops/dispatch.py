@@ -31,7 +31,7 @@ import torch
 
 from megatron_kcp.environment import qla_runs
 from megatron_kcp.parallel.convert import ConvertLayout, target_plan
-from megatron_kcp.parallel.cost_model import choose, convert_pays, needs_maps
+from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
 from megatron_kcp.parallel.gather import AllGather
 from megatron_kcp.parallel.plan import KCPPlan, all_plans
@@ -94,7 +94,7 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
         raise ValueError(f"max_segment must be >= 0 (0: segments not split; None: the kernels' pick), "
                          f"got {max_segment}")
     return _decide(plan, q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]), v.shape[2], backend, strategy,
-                   max_segment, os.environ.get("KCP_STRATEGY"))
+                   max_segment, (os.environ.get("KCP_STRATEGY"), os.environ.get(CONVERT_ENV)))
 
 
 @functools.lru_cache(maxsize=256)

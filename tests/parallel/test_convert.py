@@ -73,3 +73,15 @@ def test_convert_matches_single_process_with_negative_controls():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_convert_matches_single_process_1_to_300_documents(world_size):
     spawn(_convert, world_size, (1, 10, 100, 300), (False, True), world_size == 4)
+
+
+def test_decision_follows_kcp_convert_within_a_process(monkeypatch):
+    """The cached decision is keyed by the override: toggling KCP_CONVERT takes effect at once."""
+    from megatron_kcp.ops import dispatch
+    from megatron_kcp.parallel.plan import build_plan
+    plan = build_plan(docs_cu(100, 2), "zigzag_per_doc", 2, 0)
+    q, v = torch.zeros(1, plan.num_local_tokens, 2, 8), torch.zeros(1, plan.num_local_tokens, 2, 8)
+    g = torch.zeros(1, plan.num_local_tokens, 2)
+    for forced, layout in (("0", ""), ("1", "contiguous"), ("0", "")):
+        monkeypatch.setenv("KCP_CONVERT", forced)
+        assert dispatch.decide(plan, q, v, g).layout == layout
