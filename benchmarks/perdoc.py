@@ -279,7 +279,7 @@ def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev
 def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype, write) -> None:
     cu = cu_seqlens(docs, T, pad=2 * W)
     xs, do = inputs(s, T, dtype, dev, seed=T + W)
-    backend = "reference" if args.smoke else "fla"
+    backend = "reference" if args.smoke else args.backend
     e = torch.finfo(dtype).bits // 8
     in_bytes = T // W * ((2 * s.H * s.K + s.HV * s.K + s.HV) * e + s.HV * (s.K if s.model == "KDA" else 1) * 4)
     o_bytes = T // W * s.HV * s.K * e
@@ -350,6 +350,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto",
+                   help="the core of our rows (auto: the default's pick, flash-qla for GDN where it wins)")
     p.add_argument("--no-qla", dest="qla", action="store_false", help="skip flash-qla's one-GPU call")
     p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
     p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
