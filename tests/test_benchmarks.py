@@ -256,3 +256,17 @@ def test_simulate_deadlock_raises():
         sim.simulate([[("wait", 1), ("send", 1, 8)], [("wait", 0), ("send", 0, 8)]], alpha=MS, bw=1e9)
     with pytest.raises(RuntimeError, match="deadlock"):         # an all-gather that one rank never joins
         sim.simulate([[("allgather", 8)], [("compute", MS)]], alpha=MS, bw=1e9)
+
+
+def test_perdoc_smoke_writes_every_method(tmp_path):
+    """perdoc.py --smoke: one pack at op and mixer level, every method a row with the predicted label."""
+    path = tmp_path / "perdoc.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "perdoc.py"), "--smoke", "--shapes", "qwen3-next", "--docs",
+                          "varlen", "--levels", "ops", "mixer", "--csv", str(path)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert all(r["source"] == "predicted" and not r["note"].startswith("error") for r in rows), rows
+    methods = {(r["level"], r["method"]) for r in rows}
+    assert {("ops", m) for m in ("noCP", "cp2hp", "kcp-noconvert", "kcp")} <= methods
+    assert ("mixer", "kcp") in methods
