@@ -137,7 +137,11 @@ class CPDotProductAttention(MegatronModule):
         tests; TE's attention is the fast one). Returns ``[t, 1, heads * d]``."""
         from megatron_kcp.parallel.plan import all_plans, check_cu_seqlens, local_token_index
         cu = packed_seq_params.cu_seqlens_q_padded
-        cu = check_cu_seqlens(cu if cu is not None else packed_seq_params.cu_seqlens_q)
+        cu = cu if cu is not None else packed_seq_params.cu_seqlens_q
+        if cu is None:
+            raise ValueError("a THD pack needs its documents: set packed_seq_params.cu_seqlens_q (and "
+                             "cu_seqlens_q_padded where documents are padded to 2 * CP)")
+        cu = check_cu_seqlens(cu)
         plans = all_plans(cu, "zigzag_per_doc" if self.cp_size > 1 else "contiguous", self.cp_size)
         pos = [local_token_index(p).to(query.device) for p in plans]
         mine = pos[dist.get_rank(self.cp_group) if self.cp_size > 1 else 0]

@@ -53,7 +53,7 @@ def _reference(q, k, v, dout):
 
 
 def _cp1_matches_megatron():
-    """(CP = 1) the same function as Megatron's local DotProductAttention, GQA included; THD raises."""
+    """(CP = 1) the same function as Megatron's local DotProductAttention, GQA included; THD packs per document."""
     import megatron_kcp.testing.megatron_cpu
     megatron_kcp.testing.megatron_cpu.enable()          # DotProductAttention's score buffer is on the GPU
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -66,8 +66,14 @@ def _cp1_matches_megatron():
     out, grads = _run(ours, q, k, v, dout, attention_mask=None)
     assert rel_err(out, out_m) < 1e-6
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(grads, grads_m))
-    with pytest.raises(NotImplementedError, match="install TransformerEngine"):
+    with pytest.raises(ValueError, match="cu_seqlens"):
         ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    # a THD pack (Megatron squeezes its batch dim): each document attends only to itself
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    pack = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out = ours(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=pack)
+    alone = torch.cat([ours(q[a:b, :1], k[a:b, :1], v[a:b, :1], None) for a, b in ((0, 5), (5, 12))])
+    assert rel_err(out, alone) < 1e-6
 
 
 def zigzag_rows(seq: int, cp: int, rank: int) -> torch.Tensor:
