@@ -48,7 +48,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     x, dy = (torch.randn(T, 1, args.hidden, generator=gen, device=dev, dtype=b.dtype) for _ in range(2))
     m = model.lower()
     # KDA's cp2hp: megatron-core has no KDA module, so our mixer with the all-to-all around its kernel
-    variants = [("noCP", 1, None, {}), ("cp2hp", W, None, {"exchange": "cp2hp"}), ("kcp", W, None, {})]
+    variants = [("noCP", 1, None, {}), ("cp2hp", W, None, {"strategy": "cp2hp"}), ("kcp", W, None, {})]
     if model == "GDN":
         variants = [("megatron", 1, GatedDeltaNet, {}), ("noCP", 1, KCPGatedDeltaNet, {}),
                     ("cp2hp", W, GatedDeltaNet, {}), ("kcp", W, KCPGatedDeltaNet, {})]
