@@ -98,7 +98,7 @@ class Recorder:
         return x.unsqueeze(0).expand(self.W, *x.shape).contiguous()
 
     def all_to_all_rows(self, x, send_counts, recv_counts, group):
-        """Stands in for ``relayout.all_to_all_rows``: the rows this rank would receive, as zeros."""
+        """Stands in for ``comm.all_to_all_rows``: the rows this rank would receive, as zeros."""
         self.mark("alltoall", x.nbytes)
         return x.new_zeros(sum(recv_counts), *x.shape[1:])
 
@@ -109,9 +109,9 @@ class Recorder:
 
     def patches(self, rank: int):
         """Every exchange point of KCP, its layout conversion and fla's CP, stubbed for this rank."""
-        from megatron_kcp.parallel import relayout
+        from megatron_kcp.parallel import comm
         ps = [mock.patch.object(relay, "P2P", self.p2p), mock.patch.object(gather, "all_gather", self.all_gather),
-              mock.patch.object(relayout, "all_to_all_rows", self.all_to_all_rows),
+              mock.patch.object(comm, "all_to_all_rows", self.all_to_all_rows),
               mock.patch("torch.distributed.get_world_size", lambda group=None: self.W),
               mock.patch("torch.distributed.get_rank", lambda group=None: rank)]
         try:

@@ -135,13 +135,9 @@ class CPDotProductAttention(MegatronModule):
         document up to itself. Keys and values are all-gathered and the mask is built from every token's
         document and stream position, so the cost is dense in the pack (a reference for the CPU and
         tests; TE's attention is the fast one). Returns ``[t, 1, heads * d]``."""
-        from megatron_kcp.parallel.plan import all_plans, check_cu_seqlens, local_token_index
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = cu if cu is not None else packed_seq_params.cu_seqlens_q
-        if cu is None:
-            raise ValueError("a THD pack needs its documents: set packed_seq_params.cu_seqlens_q (and "
-                             "cu_seqlens_q_padded where documents are padded to 2 * CP)")
-        cu = check_cu_seqlens(cu)
+        from megatron_kcp.layers.layout import thd_cu_seqlens
+        from megatron_kcp.parallel.plan import all_plans, local_token_index
+        cu = thd_cu_seqlens(packed_seq_params)
         plans = all_plans(cu, "zigzag_per_doc" if self.cp_size > 1 else "contiguous", self.cp_size)
         pos = [local_token_index(p).to(query.device) for p in plans]
         mine = pos[dist.get_rank(self.cp_group) if self.cp_size > 1 else 0]

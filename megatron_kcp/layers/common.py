@@ -16,7 +16,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_kcp.environment import te_available
-from megatron_kcp.layers import layout
+from megatron_kcp.layers import layout as hidden
 from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.plan import KCPPlan, plan_for_cp_group
 
@@ -28,13 +28,11 @@ def packed_plan(packed_seq_params: PackedSeqParams | None, seq_len: int, batch: 
     """The KCP plan of Megatron's batch: THD packs documents per-document-zigzag (cu_seqlens_padded
     when given); a ``[s, b]`` batch is b rows, each split zigzag over CP (or whole at CP = 1).
     ``layout``: the one the tokens were moved to (:mod:`megatron_kcp.layers.layout`), if any."""
-    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+    cu = hidden.thd_cu_seqlens(packed_seq_params)
+    if cu is not None:
         if batch != 1:
             raise ValueError(f"THD packed sequences need micro batch size 1, got {batch}: "
                              "set --micro-batch-size 1 and pack more documents per sequence instead")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
     else:
         cu = torch.arange(batch + 1) * (seq_len * cp_size)
     layout = layout or ("zigzag_per_doc" if cp_size > 1 else "contiguous")
@@ -56,5 +54,5 @@ def announce(mixer, plan: KCPPlan, q, v, g, packed_seq_params=None, tp_size: int
     extra = "".join(f", {name}={val}" for name, val in options.items())
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
-          f"({'THD packed documents' if thd else '[s, b] rows'}{layout.describe(mixer, plan)}), {chosen.describe()}, "
+          f"({'THD packed documents' if thd else '[s, b] rows'}{hidden.describe(mixer, plan)}), {chosen.describe()}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)

@@ -50,11 +50,24 @@ def run_of(config, layer_number: int) -> tuple[int, int]:
     return first, last
 
 
+def thd_cu_seqlens(packed_seq_params) -> tuple[int, ...] | None:
+    """The documents of a THD pack (``cu_seqlens_q_padded`` where given: Megatron's CP layout cuts the
+    padded documents), or None for a ``[s, b]`` batch."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        return None
+    cu = packed_seq_params.cu_seqlens_q_padded
+    cu = cu if cu is not None else packed_seq_params.cu_seqlens_q
+    if cu is None:
+        raise ValueError("a THD pack needs its documents: set packed_seq_params.cu_seqlens_q (and "
+                         "cu_seqlens_q_padded where documents are padded to 2 * CP)")
+    return check_cu_seqlens(cu)
+
+
 def stream_cu(packed_seq_params, seq: int, batch: int, cp: int) -> tuple[int, ...] | None:
     """The global cu_seqlens of Megatron's batch (None: several rows, not converted)."""
-    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        cu = packed_seq_params.cu_seqlens_q_padded
-        return check_cu_seqlens(cu if cu is not None else packed_seq_params.cu_seqlens_q)
+    cu = thd_cu_seqlens(packed_seq_params)
+    if cu is not None:
+        return cu
     return (0, seq * cp) if batch == 1 else None
 
 
@@ -93,7 +106,7 @@ def move(hidden: torch.Tensor, cu: tuple[int, ...], source: str, target: str, gr
 
 class KCPTransformerLayer(TransformerLayer):
     """Megatron's ``TransformerLayer``; in a run of linear layers it runs in the contiguous layout where
-    that pays (see the module docstring). Its linear mixer is told so (``mixer.layer_converts``)."""
+    that pays (see the module docstring). Its linear mixer is given the run (``mixer.layer_run``)."""
 
     def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)
@@ -101,7 +114,7 @@ class KCPTransformerLayer(TransformerLayer):
         self.linear = is_linear(config, self.layer_number) and getattr(self.self_attention, "any_layout", False)
         self.run = run_of(config, self.layer_number) if self.linear else None
         if self.linear:
-            self.self_attention.layer_converts = True
+            self.self_attention.layer_run = self.run
 
     def layout(self, hidden_states, packed_seq_params) -> tuple[tuple[int, ...] | None, bool]:
         """(cu_seqlens, whether this layer's run is converted)."""
@@ -135,9 +148,9 @@ def mixer_input(mixer, hidden_states, packed_seq_params):
     cu = stream_cu(packed_seq_params, hidden_states.shape[0] * tp, hidden_states.shape[1], pg.cp.size())
     if not mixer.any_layout:
         return hidden_states, None, lambda out: out
-    if getattr(mixer, "layer_converts", False):
-        first, last = run_of(config, mixer.layer_number)
-        converted = converts(config, cu, pg.cp.size(), pg.tp.size(), last - first + 1)
+    run = getattr(mixer, "layer_run", None)
+    if run is not None:
+        converted = converts(config, cu, pg.cp.size(), pg.tp.size(), run[1] - run[0] + 1)
         return hidden_states, TARGET if converted else None, lambda out: out
     if not converts(config, cu, pg.cp.size(), pg.tp.size(), 1):
         return hidden_states, None, lambda out: out
@@ -150,7 +163,7 @@ def describe(mixer, plan) -> str:
     """What the ``KCP active`` line says of the conversions (empty where none runs)."""
     if plan.layout != TARGET or plan.world_size == 1:
         return ""
-    if getattr(mixer, "layer_converts", False):
+    if getattr(mixer, "layer_run", None) is not None:
         config = mixer.config
         runs = sum(is_linear(config, n) and (n == 1 or not is_linear(config, n - 1)) for n in range(1, config.num_layers + 1))
         return (f", hidden states moved from {SOURCE} at the edges of each run of linear layers: {2 * runs} "

@@ -1,5 +1,5 @@
-"""The collectives KCP issues: all-gather, reduce-scatter, point-to-point sends, the all-to-all
-and the sequence all-gather (both with their adjoints as autograd Functions).
+"""The collectives KCP issues: all-gather, reduce-scatter, point-to-point sends, the all-to-all (even
+blocks, and uneven ones for the layout conversion) and the sequence all-gather (both with their adjoints as autograd Functions).
 
 gloo cannot move CUDA tensors point to point (and the tests run gloo with ranks sharing a GPU),
 so on gloo CUDA tensors travel through host memory; NCCL takes them as they are.
@@ -82,6 +82,18 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts, recv_counts, group) -> torch.Tensor:
+    """``x`` ``[n, ...]`` cut into blocks of ``send_counts`` rows, block j to rank j; the blocks received,
+    in rank order. gloo moves no CUDA tensors here: they travel through host memory."""
+    out = x.new_empty(sum(recv_counts), *x.shape[1:])
+    if dist.get_backend(group) == "gloo" and x.is_cuda:
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, x.cpu(), list(recv_counts), list(send_counts), group=group)
+        return out.copy_(host)
+    dist.all_to_all_single(out, x.contiguous(), list(recv_counts), list(send_counts), group=group)
     return out
 
 

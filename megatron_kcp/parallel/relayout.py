@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_kcp.parallel import comm
 from megatron_kcp.parallel.plan import check_cu_seqlens, layout_pieces
 
 
@@ -75,18 +76,6 @@ def _on(r: Route, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return r.send_rows.to(device), r.recv_rows.to(device)
 
 
-def all_to_all_rows(x: torch.Tensor, send_counts, recv_counts, group) -> torch.Tensor:
-    """``x`` ``[n, ...]`` cut into blocks of ``send_counts`` rows, block j to rank j; the blocks received,
-    in rank order. gloo moves no CUDA tensors here: they travel through host memory."""
-    out = x.new_empty(sum(recv_counts), *x.shape[1:])
-    if dist.get_backend(group) == "gloo" and x.is_cuda:
-        host = torch.empty(out.shape, dtype=out.dtype)
-        dist.all_to_all_single(host, x.cpu(), list(recv_counts), list(send_counts), group=group)
-        return out.copy_(host)
-    dist.all_to_all_single(out, x.contiguous(), list(recv_counts), list(send_counts), group=group)
-    return out
-
-
 def move(xs, r: Route, group) -> list[torch.Tensor]:
     """The rows of each of ``xs`` ``[n, ...]`` (this rank's, in the source layout) -> ``[r.tokens, ...]``
     (target), in one all-to-all: the rows of tensors of any dtypes travel side by side as bytes, so
@@ -94,7 +83,7 @@ def move(xs, r: Route, group) -> list[torch.Tensor]:
     send, recv = _on(r, str(xs[0].device))
     raw = [x.reshape(x.shape[0], -1).contiguous().view(torch.uint8) for x in xs]
     packed = raw[0] if len(raw) == 1 else torch.cat(raw, 1)
-    got = all_to_all_rows(packed.index_select(0, send), r.send_counts, r.recv_counts, group).index_select(0, recv)
+    got = comm.all_to_all_rows(packed.index_select(0, send), r.send_counts, r.recv_counts, group).index_select(0, recv)
     parts = [got] if len(raw) == 1 else got.split([b.shape[1] for b in raw], 1)
     return [p.contiguous().view(x.dtype).view(r.tokens, *x.shape[1:]) for p, x in zip(parts, xs)]
 
@@ -138,4 +127,5 @@ def check_tp_cp_group(group, cp_rank: int, tp_rank: int, tp: int) -> None:
     if dist.get_rank(group) != cp_rank * tp + tp_rank:
         raise RuntimeError(f"the tensor-and-context-parallel group puts CP rank {cp_rank}, TP rank {tp_rank} at "
                            f"{dist.get_rank(group)}, not {cp_rank * tp + tp_rank}: the layout conversion needs "
-                           "megatron-core's TP-fastest order (--context-parallel order 'tp-cp-...')")
+                           "megatron-core's TP-fastest order: build the groups with parallel_state.initialize_model_parallel "
+                           "and its default order 'tp-cp-ep-dp-pp'")

@@ -99,3 +99,13 @@ def long_memory_inputs(gen, cu, H, HV, K, V, kda: bool, dtype=torch.float32, dev
     g = g if kda else g[..., 0]
     beta = 0.2 + 0.6 * torch.rand(T, HV, generator=gen, dtype=torch.float64)
     return [x[None].to(dtype=dtype, device=device) for x in (q, k, v, g, beta)]
+
+
+def docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
+    """``n`` documents of 1 to 12 times 2W tokens (one document: 60 times), as Megatron pads them."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [2 * W * 60] if n == 1 else (2 * W * torch.randint(1, 13, (n,), generator=gen)).tolist()
+    cu = [0]
+    for x in lens:
+        cu.append(cu[-1] + x)
+    return tuple(cu)

@@ -2,12 +2,14 @@
 equivalence tests of the ops (CPU and GPU) share."""
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 
 from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.ops import reference as R
-from megatron_kcp.parallel import halo
+from megatron_kcp.parallel import halo, relayout
 from megatron_kcp.parallel.strategy import StateExchange
 from megatron_kcp.testing.cases import plan_for, shard
 from megatron_kcp.testing.distributed import rel_err
@@ -100,3 +102,14 @@ def exchange_off(name="relay"):
     def restore():
         dispatch.STRATEGIES[name], halo.halo = strategy, exchange
     return restore
+
+
+def rolled_by_one_document():
+    """relayout.positions with the target layout's stream rolled by the first document: a permutation
+    that is wrong by one document (forward and backward consistent)."""
+    real = relayout.positions
+
+    def positions(cu_, layout, W, tp, rank):
+        p = real(cu_, layout, W, tp, rank)
+        return (p + cu_[1]) % cu_[-1] if layout == "contiguous" else p
+    return mock.patch.object(relayout, "positions", positions)

@@ -11,7 +11,8 @@ import torch
 
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.layers import CPU, build, config, solo_pg
-from tests.parallel.test_convert import docs_cu, rolled_by_one_document
+from megatron_kcp.testing.cases import docs_cu
+from megatron_kcp.testing.checks import rolled_by_one_document
 
 TOL = 1e-5
 

@@ -11,30 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.parallel import relayout
-from megatron_kcp.testing.cases import long_memory_inputs
-from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
+from megatron_kcp.testing.cases import docs_cu, long_memory_inputs
+from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off, rolled_by_one_document
 from megatron_kcp.testing.distributed import spawn
-
-
-def docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
-    """``n`` documents of 1 to 12 times 2W tokens (one document: 60 times), as Megatron pads them."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = [2 * W * 60] if n == 1 else (2 * W * torch.randint(1, 13, (n,), generator=gen)).tolist()
-    cu = [0]
-    for x in lens:
-        cu.append(cu[-1] + x)
-    return tuple(cu)
-
-
-def rolled_by_one_document():
-    """relayout.positions with the target layout's stream rolled by the first document: a permutation
-    that is wrong by one document (forward and backward consistent)."""
-    real = relayout.positions
-
-    def positions(cu_, layout, W, tp, rank):
-        p = real(cu_, layout, W, tp, rank)
-        return (p + cu_[1]) % cu_[-1] if layout == "contiguous" else p
-    return mock.patch.object(relayout, "positions", positions)
 
 
 def _convert(docs, kda_cases, controls):
