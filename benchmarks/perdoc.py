@@ -13,11 +13,15 @@ d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``
 
 * ``noCP``, ``noCP-qla``: the whole pack on one GPU (fla's call; flash-qla's for GDN), measured;
 * ``cp2hp``: megatron-core's all-to-all to head shards: the core on the whole pack with H/W heads
-  (measured) and its four all-to-alls of q, k, v, g, beta and o over the link;
+  (measured; fla's kernels) and its four all-to-alls of q, k, v, g, beta and o over the link;
+  ``cp2hp-qla``: the same on flash-qla's call, what megatron-core runs for GDN with flash-qla installed
+  (fla hands its call to flash-qla);
 * ``mlm-chunkwise``: Megatron-LM dev's scheme: an all-to-all to the contiguous layout per linear
   layer (op level: of q, k, v, g, beta; mixer and block: of the hidden states), fla's CP call
   (``build_cp_context``, its all-gathers over the link), and back;
+* ``fla-cp``: fla's CP call on the same tokens fed in the contiguous layout, no conversion (op level);
 * ``kcp-noconvert``: our step on the per-document layout (``KCP_CONVERT=0``);
+* ``kcp-unpipelined``: the default with the relay on one head group (``KCP_RELAY_GROUPS=1``; op level);
 * ``kcp``: the default (``note``: its strategy and layout); at mixer and block level the hidden
   states move once per run of linear layers (four all-to-alls), at op level the op's own inputs
   where the cost model says so.
@@ -29,7 +33,8 @@ hidden-state all-to-alls. Block level (3 linear + 1 softmax attention, one run o
 three mixers' cores, the per-token work of all four layers at T/W tokens (measured with the cores
 stubbed), the attention core's share (varlen flash attention over the pack / W: the per-document
 zigzag gives each rank 1/W of every document's causal work) and its K/V all-gather. ``eff`` =
-noCP / (W ms); ``x_cp2hp`` = cp2hp / ms.
+noCP / (W ms); ``x_cp2hp`` = cp2hp / ms. ``--methods`` picks rows; a one-device call that does not fit
+the GPU is left out.
 """
 from __future__ import annotations
 
@@ -69,7 +74,10 @@ class Shape:
 
 SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
           "kimi-linear": Shape("KDA", 32, 32, 128, 2304, (32, 32, 128)),
+          "qwen3-next-tp2": Shape("GDN", 8, 16, 128),       # one TP = 2 rank's heads (op level)
           "h64-gdn": Shape("GDN", 64, 64, 128), "h64-kda": Shape("KDA", 64, 64, 128)}
+METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
+           "kcp")
 TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
 
 
@@ -132,27 +140,47 @@ def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
 
 
 def core_steps(s: Shape, cu, W, xs, do, args, backend):
-    """{method: (seconds, bytes sent, note)} of the core's CP step alone; ``hidden``: the mixers' conversions
-    happen outside (the core runs on the contiguous plan), else the op converts its own inputs."""
+    """{method: (seconds, bytes sent, note)} of the core's CP step alone, for the methods asked for:
+    ``kcp-op`` converts the op's own inputs where the cost model says so, ``kcp-contiguous`` runs on the
+    contiguous plan (the mixers' conversions happen outside), ``mlm-op`` / ``mlm-contiguous`` are fla's CP
+    call with and without the op's conversion. A method that fails (out of memory) is left out, said."""
     from megatron_kcp.ops import dispatch, kcp
     from megatron_kcp.parallel.convert import target_plan
+    from megatron_kcp.parallel.cost_model import pipeline_depth
     from megatron_kcp.parallel.relayout import relayout
-    out = {}
+    out, want = {}, set(args.methods)
 
     def ours(plan, strategy="auto"):
         return lambda *x: kcp.gated_delta_rule(*x, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend,
                                                strategy=strategy)
-    with mock.patch.dict(os.environ, {"KCP_CONVERT": "0"}):
-        out["kcp-noconvert"] = (*predicted(cu, W, xs, do, ours, args),
-                                dispatch.decide(build_plan(cu, "zigzag_per_doc", W, 0), xs[0], xs[2], xs[3],
-                                                backend).describe())
-    plan0 = build_plan(cu, "zigzag_per_doc", W, 0)
-    out["kcp-op"] = (*predicted(cu, W, xs, do, ours, args),
-                     dispatch.decide(plan0, xs[0], xs[2], xs[3], backend).describe())
-    contiguous = build_plan(cu, "contiguous", W, 0)
-    out["kcp-contiguous"] = (*predicted(cu, W, xs, do, lambda p: ours(target_plan(p, "contiguous")), args),
-                             dispatch.decide(contiguous, xs[0], xs[2], xs[3], backend).describe())
-    if not args.smoke:
+
+    def note(plan):
+        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend)
+        depth = ""
+        if d.strategy == "relay" and W > 1:
+            inner = target_plan(plan, d.layout) if d.layout else plan
+            depth = f", {pipeline_depth(inner, s.HV, s.H, s.K)} head groups"
+        return d.describe() + depth
+
+    def run(method, fn_of, plan, env=None, text=None):
+        try:
+            with mock.patch.dict(os.environ, env or {}):
+                out[method] = (*predicted(cu, W, xs, do, fn_of, args), text or note(plan))
+        except torch.OutOfMemoryError:
+            print(f"{method}: out of memory", flush=True)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    plan0, contiguous = build_plan(cu, "zigzag_per_doc", W, 0), build_plan(cu, "contiguous", W, 0)
+    if "kcp-noconvert" in want:
+        run("kcp-noconvert", ours, plan0, {"KCP_CONVERT": "0"})
+    if "kcp" in want:
+        run("kcp-op", ours, plan0)
+        if set(args.levels) - {"ops"}:
+            run("kcp-contiguous", lambda p: ours(target_plan(p, "contiguous")), contiguous)
+    if "kcp-unpipelined" in want:
+        run("kcp-unpipelined", ours, plan0, {"KCP_RELAY_GROUPS": "1"})
+    if not args.smoke and want & {"mlm-chunkwise", "fla-cp"}:
         from benchmarks.ops import chunk_kernel
         from fla.ops.cp import build_cp_context
         kernel = chunk_kernel(s.model, xs[0].device)
@@ -165,7 +193,7 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend):
                 ctx = build_cp_context(torch.tensor(cu, device=dev), group=simulate.NO_GROUP,
                                        cu_seqlens_cpu=torch.tensor(cu), layout="contiguous")
 
-            def run(*x):
+            def step(*x):
                 if convert:
                     x = [t[None] for t in relayout([t[0] for t in x], cu, plan.layout, "contiguous",
                                                    simulate.NO_GROUP)]
@@ -173,11 +201,11 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend):
                 if convert:
                     o = relayout([o[0]], cu, "contiguous", plan.layout, simulate.NO_GROUP)[0][None]
                 return o
-            return run
+            return step
         try:
-            out["mlm-op"] = (*predicted(cu, W, xs, do, lambda p: fla_cp(p, True), args), "fla CP, contiguous")
-            out["mlm-contiguous"] = (*predicted(cu, W, xs, do, lambda p: fla_cp(p, False), args),
-                                     "fla CP, contiguous")
+            if "mlm-chunkwise" in want and "ops" in args.levels:
+                run("mlm-op", lambda p: fla_cp(p, True), plan0, text="fla CP, contiguous")
+            run("mlm-contiguous", lambda p: fla_cp(p, False), plan0, text="fla CP, contiguous input")
         except Exception as e:  # noqa: BLE001 - the peer failing must not lose our rows
             print(f"mlm-chunkwise: {type(e).__name__}: {e}", flush=True)
     return out
@@ -280,17 +308,33 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
     cu = cu_seqlens(docs, T, pad=2 * W)
     xs, do = inputs(s, T, dtype, dev, seed=T + W)
     backend = "reference" if args.smoke else args.backend
+    want = set(args.methods)
     e = torch.finfo(dtype).bits // 8
     in_bytes = T // W * ((2 * s.H * s.K + s.HV * s.K + s.HV) * e + s.HV * (s.K if s.model == "KDA" else 1) * 4)
     o_bytes = T // W * s.HV * s.K * e
     hidden_bytes = T // W * s.hidden * e
     base = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, head_dim=s.K, dtype=str(dtype).split(".")[-1],
                 source="predicted", W=W)
-    nocp = single_core(s, cu, xs, do, args)
-    qla = single_core(s, cu, xs, do, args, qla=True) if s.model == "GDN" and not args.smoke and args.qla else None
+
+    def one_gpu(**kw):
+        """The one-device call's seconds, None where it does not fit (said)."""
+        try:
+            return single_core(s, cu, xs, do, args, **kw)
+        except torch.OutOfMemoryError:
+            print(f"one-device call {kw}: out of memory", flush=True)
+            torch.cuda.empty_cache()
+            return None
+    qla_ok = s.model == "GDN" and not args.smoke and args.qla
+    nocp = one_gpu()
+    qla = one_gpu(qla=True) if qla_ok and "noCP-qla" in want else None
     core = core_steps(s, cu, W, xs, do, args, backend)
-    cp2hp_core = single_core(s, cu, xs, do, args, heads_div=W) if s.H % W == 0 else None
-    cp2hp = None if cp2hp_core is None else cp2hp_core + 2 * (link(in_bytes, W, args) + link(o_bytes, W, args))
+    link_cp2hp = 2 * (link(in_bytes, W, args) + link(o_bytes, W, args))
+    cp2hp = cp2hp_qla = None
+    if s.H % W == 0:
+        if "cp2hp" in want and (c := one_gpu(heads_div=W)) is not None:
+            cp2hp = c + link_cp2hp
+        if "cp2hp-qla" in want and qla_ok and (c := one_gpu(heads_div=W, qla=True)) is not None:
+            cp2hp_qla = c + link_cp2hp
 
     levels = {"ops": (0.0, 0.0, 1)}
     if s.hidden and "mixer" in args.levels:
@@ -307,36 +351,46 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             continue
         # hidden-state all-to-alls: four per run of linear layers (kcp), four per layer (Megatron-LM dev)
         conv_run = 4 * link(hidden_bytes, W, args)
-        rows = {"noCP": (rest_nocp + layers * nocp, 1, "")}
+        rows = {}
+        if nocp is not None:
+            rows["noCP"] = (rest_nocp + layers * nocp, 1, "")
         if qla is not None:
             rows["noCP-qla"] = (rest_nocp + layers * qla, 1, "flash-qla's call")
         if cp2hp is not None:
-            rows["cp2hp"] = (rest + layers * cp2hp, W, "")
+            rows["cp2hp"] = (rest + layers * cp2hp, W, "fla's kernels")
+        if cp2hp_qla is not None:
+            rows["cp2hp-qla"] = (rest + layers * cp2hp_qla, W, "flash-qla's call (megatron-core with flash-qla "
+                                                               "installed)")
         if level == "ops":
-            if "mlm-op" in core:
-                rows["mlm-chunkwise"] = (core["mlm-op"][0], W, core["mlm-op"][2])
-            rows["kcp-noconvert"] = (core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
-            rows["kcp"] = (core["kcp-op"][0], W, core["kcp-op"][2])
+            named = {"mlm-chunkwise": "mlm-op", "fla-cp": "mlm-contiguous", "kcp-noconvert": "kcp-noconvert",
+                     "kcp-unpipelined": "kcp-unpipelined", "kcp": "kcp-op"}
+            for method, key in named.items():
+                if method in want and key in core:
+                    rows[method] = (core[key][0], W, core[key][2])
         else:
-            if "mlm-contiguous" in core:
+            if "mlm-chunkwise" in want and "mlm-contiguous" in core:
                 rows["mlm-chunkwise"] = (rest + layers * (core["mlm-contiguous"][0] + conv_run), W,
                                          "fla CP, hidden states converted per layer")
-            rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+            if "kcp-noconvert" in core:
+                rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
             # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
             from megatron_kcp.layers.layout import SOURCE
             from megatron_kcp.parallel.cost_model import convert_pays
             he = s.hidden * e
-            if convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers):
+            if "kcp" not in want:
+                pass
+            elif convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers) and "kcp-contiguous" in core:
                 rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
                                f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
-            else:
-                rows["kcp"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+            elif "kcp-op" in core:
+                rows["kcp"] = (rest + layers * core["kcp-op"][0], W, core["kcp-op"][2])
         for method, (sec, width, note) in rows.items():
             ms = sec * 1e3
-            eff = rows["noCP"][0] / (W * sec) if width > 1 else 1.0
+            eff = rows["noCP"][0] / (W * sec) if width > 1 and "noCP" in rows else 1.0 if width == 1 else ""
             x = rows["cp2hp"][0] / sec if "cp2hp" in rows and width > 1 else ""
             write(dict(base, level=level, method=method, W=width, ms=ms, eff=eff, x_cp2hp=x, note=note,
-                       layout="-" if width == 1 else "zigzag_per_doc", **{"pass": "fwd+bwd"}))
+                       layout="-" if width == 1 else "contiguous" if method == "fla-cp" else "zigzag_per_doc",
+                       **{"pass": "fwd+bwd"}))
 
 
 def main(argv=None):
@@ -347,6 +401,7 @@ def main(argv=None):
     p.add_argument("--docs", nargs="+", choices=DOCS, default=list(DOCS))
     p.add_argument("--cp", type=int, nargs="+", default=[2])
     p.add_argument("--levels", nargs="+", choices=["ops", "mixer", "block"], default=["ops", "mixer", "block"])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -5,8 +5,8 @@ what every rank shares, so that all ranks choose alike. ``KCP_STRATEGY=relay|gat
 
 Where no rank holds a segment that continues its sequence both ways, the all-gather needs no
 transition map (every export is a true state) and every rank exports and folds at once: it is
-taken. Elsewhere :func:`costs` weighs, per direction, the relay's longest chain (the state passes of
-a sequence's pieces before its last, one after another, and a message per hop) against the
+taken. Elsewhere :func:`costs` weighs, per direction, the relay's chain (:func:`relay_chain`: stage
+by stage, the busiest rank's state pass over the pieces that send on, and a message per hop) against the
 all-gather's slowest rank (a map pass over each segment that continues both ways, a state pass over
 each that only exports) plus the ring all-gather of the exchange slots. The constants are fitted on
 one-GPU timings of each rank's work (``benchmarks/simulate.py``, ``benchmarks/kernel_costs.py``);
@@ -52,17 +52,17 @@ def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int 
           head_dim: int = 128) -> tuple[float, float]:
     """Modelled seconds per direction that (relay, all-gather) add to a step."""
     plans = all_plans(cu_seqlens, layout, world_size)
-    pieces, gather = {}, 0.0
+    gather = 0.0
     for p in plans:
         work = 0.0
         for i, n in enumerate(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])):
-            pieces.setdefault(p.seg_seq[i], []).append((p.stage[i], n))
             if p.succ[i] is not None:
                 work += (MAP_PASS if p.pred[i] is not None else 1.0) * STATE_PASS * n
         gather = max(gather, work)
     slot = heads * head_dim * 2 * head_dim * 4             # fp32 [H, K, V + K]
     gather += (world_size - 1) * (ALPHA + plans[0].num_slots_fwd * slot / BW)
-    relay = max(sum(n for _, n in sorted(c)[:-1]) * STATE_PASS + (len(c) - 1) * ALPHA for c in pieces.values())
+    tokens, hops = relay_chain(cu_seqlens, layout, world_size)
+    relay = tokens * STATE_PASS + hops * ALPHA
     return relay, gather
 
 
@@ -114,18 +114,27 @@ def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, head
     return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages)
 
 
-def relay_chain_pass(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int = STATE_PASS_HEADS,
-                     head_dim: int = STATE_PASS_DIM) -> float:
-    """Modelled seconds of the relay's longest chain of state passes: over the sequences, the most
-    tokens in the pieces before a sequence's last one, at ``STATE_PASS`` scaled to ``heads`` and
-    ``head_dim`` (a pass is K x V work per token and head). 0 where no sequence crosses a rank."""
-    before = {}
+@functools.lru_cache(maxsize=256)
+def relay_chain(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> tuple[int, int]:
+    """(tokens, hops) of the relay's longest chain: the relay runs a stage's pieces of every sequence in
+    one phase (``relay.phases``), so the chain is, stage by stage, the busiest rank's state pass over the
+    pieces that send on; hops: the most cuts of one sequence. (0, 0) where nothing crosses a rank."""
+    stage_work, hops = {}, 0
     for p in all_plans(cu_seqlens, layout, world_size):
         for i, n in enumerate(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])):
+            hops = max(hops, p.num_stages[i] - 1)
             if p.succ[i] is not None:
-                before[p.seg_seq[i]] = before.get(p.seg_seq[i], 0) + n
+                work = stage_work.setdefault(p.stage[i], {})
+                work[p.rank] = work.get(p.rank, 0) + n
+    return sum(max(w.values()) for w in stage_work.values()), hops
+
+
+def relay_chain_pass(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int = STATE_PASS_HEADS,
+                     head_dim: int = STATE_PASS_DIM) -> float:
+    """Modelled seconds of the relay's longest chain of state passes (:func:`relay_chain`), at
+    ``STATE_PASS`` scaled to ``heads`` and ``head_dim`` (a pass is K x V work per token and head)."""
     scale = heads / STATE_PASS_HEADS * (head_dim / STATE_PASS_DIM) ** 2
-    return max(before.values(), default=0) * STATE_PASS * scale
+    return relay_chain(cu_seqlens, layout, world_size)[0] * STATE_PASS * scale
 
 
 def pipeline_depths(value_heads: int, qk_heads: int) -> tuple[int, ...]:

@@ -1,0 +1,204 @@
+"""Host time against kernel time of one rank's CP step on one GPU, and the step captured in a CUDA graph.
+
+    python benchmarks/host_time.py --shapes qwen3-next-tp2 qwen3-next h64-gdn kimi-linear --tokens 32768 131072
+    python benchmarks/host_time.py --smoke         # CPU, reference core, tiny sizes: checks the script
+
+Every rank of W in turn runs its fwd+bwd of ``kcp.gated_delta_rule`` on its shard of one sequence (or
+``--docs``) with its exchange stubbed as in ``simulate.py`` (nothing moves). Per rank (CSV columns):
+
+* ``step_ms``: CUDA events around the step, median over ``--iters`` after ``--warmup``;
+* ``host_ms``: the host's time to issue the step, from a synchronised start until the backward
+  returns, nothing synchronised inside: where it reaches ``step_ms`` the GPU waits for the host;
+* ``kernel_ms``, ``launches``: the GPU kernels of one step (torch.profiler), their summed time and count;
+* ``graph_ms``: the same step captured once in a CUDA graph and replayed (the kernels without the
+  host), or, where capture fails, empty and the reason in ``note``. The exchange is stubbed, so this is
+  what a graph of the local work would give, not a captured collective.
+
+``--cprofile N`` also prints each rank's N costliest host functions (cProfile, one step).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import csv
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks import simulate  # noqa: E402
+from benchmarks.common import cu_seqlens, fresh_leaves  # noqa: E402
+from benchmarks.perdoc import SHAPES, TINY, inputs  # noqa: E402
+from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
+
+COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline", "step_ms", "host_ms", "kernel_ms",
+           "launches", "graph_ms", "note")
+
+
+def rank_step(plan, xs, do, backend: str):
+    """(step, leaves): one rank's fwd+bwd with its exchange stubbed; ``step()`` returns the input gradients."""
+    from megatron_kcp.ops import kcp
+    idx = local_token_index(plan).to(do.device)
+    leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
+    stubs = simulate.Recorder(plan.world_size, cuda=False)       # host stamps only: nothing on the stream
+
+    def step():
+        with contextlib.ExitStack() as stack:
+            for p in stubs.patches(plan.rank):
+                stack.enter_context(p)
+            stubs.points.clear(), stubs.stamps.clear()
+            o = kcp.gated_delta_rule(*leaves, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend)
+            return torch.autograd.grad(o, leaves, dl)
+    return step
+
+
+def measure(step, args, cuda: bool) -> dict:
+    """step_ms, host_ms (see the module docstring), medians."""
+    steps, hosts = [], []
+    for i in range(args.warmup + args.iters):
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        step()
+        host = time.perf_counter() - t0
+        if cuda:
+            b.record()
+            torch.cuda.synchronize()
+            total = a.elapsed_time(b) / 1e3
+        else:
+            total = host
+        if i >= args.warmup:
+            steps.append(total), hosts.append(host)
+    return dict(step_ms=1e3 * statistics.median(steps), host_ms=1e3 * statistics.median(hosts))
+
+
+def kernels(step) -> tuple[float, int]:
+    """(summed kernel seconds, kernel count) of one step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
+    return sum(e.device_time for e in ks) / 1e6, len(ks)
+
+
+def graphed(step, args) -> tuple[float | None, str]:
+    """(median replay seconds, '') of the step captured in a CUDA graph, or (None, why not)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        torch.cuda.synchronize()
+        return None, f"capture fails: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    times = []
+    for i in range(args.warmup + args.iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times), ""
+
+
+def host_profile(step, rows: int) -> str:
+    """The ``rows`` costliest host functions of one step (cProfile, by own time)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["qwen3-next-tp2", "qwen3-next", "h64-gdn"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--docs", nargs="+", default=["single"])
+    p.add_argument("--cp", type=int, nargs="+", default=[2])
+    p.add_argument("--layout", default="zigzag_per_doc", help="Megatron's layout (default: per-document zigzag)")
+    p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph capture")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print each rank's N costliest host functions")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.warmup, args.iters, args.graph = [512], 0, 1, False
+        shapes = {n: TINY[n] for n in args.shapes if n in TINY} or {"qwen3-next": TINY["qwen3-next"]}
+    else:
+        shapes = {n: SHAPES[n] for n in args.shapes}
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
+    cuda = not args.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    backend = args.backend if cuda else "reference"
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            csv.DictWriter(f, COLUMNS).writeheader()
+    from megatron_kcp.ops import dispatch
+    from megatron_kcp.parallel.cost_model import pipeline_depth
+    for name, s in shapes.items():
+        for T in args.tokens:
+            for docs in args.docs:
+                xs, do = inputs(s, T, dtype, dev, seed=T)
+                for W in args.cp:
+                    cu = cu_seqlens(docs, T, pad=2 * W)
+                    for r in range(W):
+                        plan = build_plan(cu, args.layout, W, r)
+                        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend)
+                        row = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, rank=r, layout=args.layout,
+                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K) if d.strategy == "relay" else 1,
+                                   note=d.describe())
+                        try:
+                            step = rank_step(plan, xs, do, backend)
+                            row.update(measure(step, args, cuda))
+                            if cuda:
+                                k, n = kernels(step)
+                                row.update(kernel_ms=1e3 * k, launches=n)
+                                if args.graph:
+                                    g, why = graphed(step, args)
+                                    row.update(graph_ms="" if g is None else 1e3 * g)
+                                    row["note"] += f"; {why}" if why else ""
+                            if args.cprofile:
+                                print(f"== {name} T={T} {docs} W={W} rank {r}\n{host_profile(step, args.cprofile)}")
+                        except torch.OutOfMemoryError:
+                            row["note"] += "; out of memory"
+                        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                              flush=True)
+                        if args.csv:
+                            with open(args.csv, "a", newline="") as f:
+                                csv.DictWriter(f, COLUMNS).writerow(row)
+                        if cuda:
+                            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
