@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_kcp.testing.distributed import rel_err, spawn
-from megatron_kcp.testing.layers import CPU, build, config, solo_pg
+from megatron_kcp.testing.layers import CPU, GPU, build, config, solo_pg
 from megatron_kcp.testing.cases import docs_cu
 from megatron_kcp.testing.checks import rolled_by_one_document
 
@@ -25,22 +25,23 @@ def thd(cu):
                            cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-def block(model: str, cp: int, pg):
+def block(model: str, cp: int, pg, shape=CPU):
     """Megatron's TransformerBlock of the hybrid spec: layers 1-3 linear, layer 4 softmax attention."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     import megatron_kcp.testing.megatron_cpu
     from megatron_kcp import spec
     megatron_kcp.testing.megatron_cpu.enable()
-    cfg = config(model, CPU, cp, num_layers=4, linear_attention_freq=4, kv_channels=16, hidden_dropout=0.0,
+    cfg = config(model, shape, cp, num_layers=4, linear_attention_freq=4, kv_channels=16, hidden_dropout=0.0,
                  attention_dropout=0.0)
     torch.manual_seed(0)
     layers = spec.kda_hybrid_layer_spec if model == "kda" else spec.gdn_hybrid_layer_spec
-    return TransformerBlock(cfg, layers, pg_collection=pg)
+    return TransformerBlock(cfg, layers, pg_collection=pg).to(shape.device)
 
 
-def _compare(model, what, n_docs, expect_fail=False):
-    """``what``: 'mixer' or 'block'. Asserts CP = W equals CP = 1 (or, with ``expect_fail``, that it does not)."""
+def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
+    """``what``: 'mixer' or 'block'. Asserts CP = W equals CP = 1 within the shape's tolerance (or, with
+    ``expect_fail``, that it misses by 10x)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -48,12 +49,13 @@ def _compare(model, what, n_docs, expect_fail=False):
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     cu = docs_cu(n_docs, cp, seed=n_docs)
+    tol, dev = (TOL if shape is CPU else shape.tol), shape.device
 
     def make(c, pg):
-        return block(model, c, pg) if what == "block" else build(model, config(model, CPU, c), pg)
+        return block(model, c, pg, shape) if what == "block" else build(model, config(model, shape, c), pg, dev)
     ref = make(1, solo_pg())
     gen = torch.Generator().manual_seed(3)
-    x, dy = (torch.randn(cu[-1], 1, CPU.hidden, generator=gen) for _ in range(2))
+    x, dy = (torch.randn(cu[-1], 1, shape.hidden, generator=gen).to(dev) for _ in range(2))
     xr = x.clone().requires_grad_()
 
     def run(mod, inp):
@@ -62,7 +64,7 @@ def _compare(model, what, n_docs, expect_fail=False):
     run(ref, xr).backward(dy)
     mod = make(cp, ProcessGroupCollection.use_mpu_process_groups())
     mod.load_state_dict(ref.state_dict())
-    idx = local_token_index(build_plan(cu, "zigzag_per_doc", cp, r))
+    idx = local_token_index(build_plan(cu, "zigzag_per_doc", cp, r)).to(dev)
     xl = x[idx].clone().requires_grad_()
     y = run(mod, xl)
     y.backward(dy[idx])
@@ -71,21 +73,24 @@ def _compare(model, what, n_docs, expect_fail=False):
         g = p.grad.clone()
         dist.all_reduce(g, group=ps.get_context_parallel_group())
         errs["d" + n] = rel_err(g, dict(ref.named_parameters())[n].grad)
+    if dist.get_rank() == 0 and shape is not CPU:
+        print(f"{model} {what} W={cp} {n_docs} docs{' (control)' if expect_fail else ''}: y {errs['y']:.1e} "
+              f"dx {errs['dx']:.1e} worst {max(errs.values()):.1e}", flush=True)
     if expect_fail:
-        assert errs["y"] > 10 * TOL and errs["dx"] > 10 * TOL, errs
+        assert errs["y"] > 10 * tol and errs["dx"] > 10 * tol, errs
     else:
-        assert max(errs.values()) < TOL, sorted(errs.items(), key=lambda e: -e[1])[:4] + [("y", errs["y"]), ("dx", errs["dx"])]
+        assert max(errs.values()) < tol, sorted(errs.items(), key=lambda e: -e[1])[:4] + [("y", errs["y"]), ("dx", errs["dx"])]
 
 
-def _cases(model, what, docs, control):
+def _cases(model, what, docs, control, shape=CPU):
     from megatron_kcp.parallel import relayout
     with mock.patch.dict("os.environ", {"KCP_CONVERT": "1"}):
         for n in docs:
-            _compare(model, what, n)
+            _compare(model, what, n, shape=shape)
         if control:
             relayout.route.cache_clear()
             with rolled_by_one_document():
-                _compare(model, what, docs[0], expect_fail=True)
+                _compare(model, what, docs[0], expect_fail=True, shape=shape)
             relayout.route.cache_clear()
 
 
@@ -101,6 +106,15 @@ def test_converted_layout_equals_cp1(model, what):
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_equals_cp1_1_to_300_documents(model, what, world_size):
     spawn(_cases, world_size, model, what, (1, 10, 100, 300), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("what", ["mixer", "block"])
+def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
+    """The same on one GPU (fla's kernels, fp32 with 3xTF32 products), CP ranks over gloo."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    spawn(_cases, 2, model, what, (1, 10, 100), True, GPU)
 
 
 def _conversions_follow_the_pattern():
