@@ -268,5 +268,16 @@ def test_perdoc_smoke_writes_every_method(tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert all(r["source"] == "predicted" and not r["note"].startswith("error") for r in rows), rows
     methods = {(r["level"], r["method"]) for r in rows}
-    assert {("ops", m) for m in ("noCP", "cp2hp", "kcp-noconvert", "kcp")} <= methods
+    assert {("ops", m) for m in ("noCP", "cp2hp", "kcp-noconvert", "kcp-unpipelined", "kcp")} <= methods
     assert ("mixer", "kcp") in methods
+
+
+def test_host_time_smoke_writes_every_rank(tmp_path):
+    """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU)."""
+    path = tmp_path / "host.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "host_time.py"), "--smoke", "--shapes", "qwen3-next",
+                          "--cp", "2", "--csv", str(path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert [r["rank"] for r in rows] == ["0", "1"], rows
+    assert all(float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows

@@ -40,8 +40,16 @@ def block(model: str, cp: int, pg, shape=CPU):
 
 
 def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
-    """``what``: 'mixer' or 'block'. Asserts CP = W equals CP = 1 within the shape's tolerance (or, with
-    ``expect_fail``, that it misses by 10x)."""
+    """``what``: 'mixer' or 'block'. CP = W against CP = 1 with the same weights: output, input gradient and
+    every weight gradient (``expect_fail``: the output and input gradient miss by 10x the bound).
+
+    On the CPU (the reference core in fp32) the two must agree within ``TOL``. On a GPU, fla's kernels
+    chunk a rank's pieces differently from the whole stream and round differently, and a weight
+    gradient summed over tokens (the gate's ``A_log``) can cancel down to that rounding; so both runs
+    are measured against the same modules in fp64 on the CPU, and CP's error may not exceed 1.5x the
+    one-device error (plus ``shape.tol`` / 100)."""
+    import dataclasses
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -49,37 +57,61 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     from megatron_kcp.parallel.plan import build_plan, local_token_index
     cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     cu = docs_cu(n_docs, cp, seed=n_docs)
-    tol, dev = (TOL if shape is CPU else shape.tol), shape.device
+    dev = shape.device
 
-    def make(c, pg):
-        return block(model, c, pg, shape) if what == "block" else build(model, config(model, shape, c), pg, dev)
-    ref = make(1, solo_pg())
-    gen = torch.Generator().manual_seed(3)
-    x, dy = (torch.randn(cu[-1], 1, shape.hidden, generator=gen).to(dev) for _ in range(2))
-    xr = x.clone().requires_grad_()
+    def make(c, pg, on=shape):
+        return block(model, c, pg, on) if what == "block" else build(model, config(model, on, c), pg, on.device)
 
     def run(mod, inp):
         out = mod(inp, None, packed_seq_params=thd(cu)) if what == "block" else mod(inp, packed_seq_params=thd(cu))
         return out if what == "block" else out[0]
-    run(ref, xr).backward(dy)
+
+    def results(mod, inp, dout, index=None):
+        """{y, dx, d<param>} of one fwd+bwd; ``index`` (a CP rank's tokens): the weight gradients summed
+        over the CP group."""
+        inp = inp.clone().requires_grad_()
+        y = run(mod, inp)
+        y.backward(dout)
+        out = {"y": y.detach(), "dx": inp.grad}
+        for n, p in mod.named_parameters():
+            g = p.grad.clone()
+            if index is not None:
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+            out["d" + n] = g
+        return out
+
+    ref = make(1, solo_pg())
+    gen = torch.Generator().manual_seed(3)
+    x, dy = (torch.randn(cu[-1], 1, shape.hidden, generator=gen) for _ in range(2))
     mod = make(cp, ProcessGroupCollection.use_mpu_process_groups())
     mod.load_state_dict(ref.state_dict())
-    idx = local_token_index(build_plan(cu, "zigzag_per_doc", cp, r)).to(dev)
-    xl = x[idx].clone().requires_grad_()
-    y = run(mod, xl)
-    y.backward(dy[idx])
-    errs = {"y": rel_err(y, run(ref, x)[idx].detach()), "dx": rel_err(xl.grad, xr.grad[idx])}
-    for n, p in mod.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g, group=ps.get_context_parallel_group())
-        errs["d" + n] = rel_err(g, dict(ref.named_parameters())[n].grad)
-    if dist.get_rank() == 0 and shape is not CPU:
-        print(f"{model} {what} W={cp} {n_docs} docs{' (control)' if expect_fail else ''}: y {errs['y']:.1e} "
-              f"dx {errs['dx']:.1e} worst {max(errs.values()):.1e}", flush=True)
-    if expect_fail:
-        assert errs["y"] > 10 * tol and errs["dx"] > 10 * tol, errs
+    idx = local_token_index(build_plan(cu, "zigzag_per_doc", cp, r))
+    one = results(ref, x.to(dev), dy.to(dev))
+    got = results(mod, x[idx].to(dev), dy[idx].to(dev), idx)
+    for k in ("y", "dx"):
+        one[k] = one[k][idx.to(dev)]
+    if shape is CPU:
+        errs = {k: rel_err(got[k], one[k]) for k in got}
+        bound = {k: TOL for k in got}
     else:
-        assert max(errs.values()) < tol, sorted(errs.items(), key=lambda e: -e[1])[:4] + [("y", errs["y"]), ("dx", errs["dx"])]
+        exact = make(1, solo_pg(), dataclasses.replace(shape, device="cpu"))
+        exact.load_state_dict(ref.state_dict())
+        exact = exact.double()
+        truth = results(exact, x.double(), dy.double())
+        for k in ("y", "dx"):
+            truth[k] = truth[k][idx]
+        errs = {k: rel_err(got[k].cpu(), truth[k]) for k in got}
+        bound = {k: 1.5 * rel_err(one[k].cpu(), truth[k]) + shape.tol / 100 for k in got}
+    if dist.get_rank() == 0 and shape is not CPU:
+        worst = max(errs, key=lambda k: errs[k] / bound[k])
+        print(f"{model} {what} W={cp} {n_docs} docs{' (control)' if expect_fail else ''}: y {errs['y']:.1e} "
+              f"(bound {bound['y']:.1e}) dx {errs['dx']:.1e} (bound {bound['dx']:.1e}); closest to its bound: "
+              f"{worst} {errs[worst]:.1e} (bound {bound[worst]:.1e})", flush=True)
+    if expect_fail:
+        assert errs["y"] > 10 * bound["y"] and errs["dx"] > 10 * bound["dx"], errs
+    else:
+        over = {k: (errs[k], bound[k]) for k in errs if errs[k] > bound[k]}
+        assert not over, over
 
 
 def _cases(model, what, docs, control, shape=CPU):
@@ -87,10 +119,10 @@ def _cases(model, what, docs, control, shape=CPU):
     with mock.patch.dict("os.environ", {"KCP_CONVERT": "1"}):
         for n in docs:
             _compare(model, what, n, shape=shape)
-        if control:
+        if control:              # a permutation off by one document: needs more than one document
             relayout.route.cache_clear()
             with rolled_by_one_document():
-                _compare(model, what, docs[0], expect_fail=True, shape=shape)
+                _compare(model, what, max(docs), expect_fail=True, shape=shape)
             relayout.route.cache_clear()
 
 
