@@ -164,7 +164,7 @@ def main(argv=None):
         with open(args.csv, "w", newline="") as f:
             csv.DictWriter(f, COLUMNS).writeheader()
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.cost_model import pipeline_depth
+    from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS, pipeline_depth
     for name, s in shapes.items():
         for T in args.tokens:
             for docs in args.docs:
@@ -175,7 +175,9 @@ def main(argv=None):
                         plan = build_plan(cu, args.layout, W, r)
                         d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend)
                         row = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, rank=r, layout=args.layout,
-                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K) if d.strategy == "relay" else 1,
+                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K,
+                                                           None if d.core == "qla" else MIN_GROUP_HEADS)
+                                   if d.strategy == "relay" else 1,
                                    note=d.describe())
                         try:
                             step = rank_step(plan, xs, do, backend)

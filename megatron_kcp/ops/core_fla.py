@@ -26,6 +26,7 @@ import torch
 
 from megatron_kcp.environment import check_fla
 from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
+from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 CHUNK = 64
@@ -180,6 +181,7 @@ class _FLACore:
     """What GDN and KDA share; the subclasses hold the model's own kernels."""
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
     head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
+    min_group_heads = MIN_GROUP_HEADS
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):
         """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""

@@ -12,6 +12,7 @@ import torch
 
 from megatron_kcp.ops import reference as R
 from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
+from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
 from megatron_kcp.parallel.plan import KCPPlan
 
 
@@ -31,6 +32,7 @@ def _on_heads(xs, heads: slice | None, HV: int, dim: int = 2):
 class ReferenceCore:
     fused = False                # output and backward_rest return what the passes computed
     head_slices = True
+    min_group_heads = MIN_GROUP_HEADS
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         return Prepared((q, k, v, g, beta), plan, scale, use_qk_l2norm, live=live)

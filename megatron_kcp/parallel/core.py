@@ -95,6 +95,10 @@ class LocalCore(Protocol):
     head_slices: bool
     """True where ``state`` and ``backward_state`` take ``heads`` (a group of value heads)."""
 
+    min_group_heads: int | None
+    """Value heads a group needs before its pass runs shorter than all heads' at once (the relay's
+    pipeline, :func:`megatron_kcp.parallel.cost_model.pipeline_depth`); None: never on this core."""
+
     def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, use_qk_l2norm: bool,
                 live: frozenset | None = None) -> Prepared:
         """Everything that needs no state, over the whole local stream."""

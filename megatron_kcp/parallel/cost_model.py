@@ -15,8 +15,10 @@ the choice moves with the map pass's cost, hardly with the state pass's.
 The relay's pipeline over head groups (:func:`pipeline_depth`): heads are independent, so a rank
 can send a group of heads' states as soon as that group's state pass is done. With G groups the
 longest chain's wait (its state passes before its last piece) shrinks to about 1/G, and each group
-adds its own launches and messages (``GROUP_COST`` per group and direction).
-``KCP_RELAY_GROUPS=G`` overrides the choice.
+adds its own launches and messages (``GROUP_COST`` per group and direction). A core whose passes do
+not shrink with the heads (flash-qla's: a scan per head and sequence, latency-bound where a rank holds
+few long segments) says so (``min_group_heads`` None) and keeps G = 1. ``KCP_RELAY_GROUPS=G``
+overrides the choice.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ CONVERT_ENV = "KCP_CONVERT"
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 # the relay's pipeline: starting values, not fitted (measure before trusting the choice)
 GROUP_COST = 30e-6         # s a head group adds per direction: its launches, messages and host work
-MIN_GROUP_HEADS = 16       # value heads a group needs to fill the GPU; below, a group's pass is hardly shorter
+MIN_GROUP_HEADS = 16       # value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter
 
 
 @functools.lru_cache(maxsize=64)
@@ -156,7 +158,8 @@ def forced_depth(value_heads: int, qk_heads: int) -> int | None:
     return int(forced)
 
 
-def pipeline_depth(plan: KCPPlan, value_heads: int, qk_heads: int | None = None, head_dim: int = 128) -> int:
+def pipeline_depth(plan: KCPPlan, value_heads: int, qk_heads: int | None = None, head_dim: int = 128,
+                   min_group_heads: int | None = MIN_GROUP_HEADS) -> int:
     """G, the head groups the relay pipelines its state passes over (forward and backward alike), from
     what every rank shares: 1 where nothing crosses a rank or the chain is too short to pay for a group.
     ``KCP_RELAY_GROUPS`` overrides it.
@@ -164,6 +167,7 @@ def pipeline_depth(plan: KCPPlan, value_heads: int, qk_heads: int | None = None,
     Args:
         plan: this rank's plan (only its global cu_seqlens, layout and CP size are read).
         value_heads: HV; qk_heads: H (default HV); head_dim: K (= V).
+        min_group_heads: the core's ``min_group_heads`` (None: groups never pay on it, G = 1).
     Returns:
         G, a divisor of H (see :func:`pipeline_depths`).
     """
@@ -171,11 +175,14 @@ def pipeline_depth(plan: KCPPlan, value_heads: int, qk_heads: int | None = None,
     forced = forced_depth(value_heads, qk_heads)
     if forced is not None:
         return forced
-    return _pipeline_depth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads, qk_heads, head_dim)
+    if min_group_heads is None:
+        return 1
+    return _pipeline_depth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads, qk_heads, head_dim,
+                           min_group_heads)
 
 
 @functools.lru_cache(maxsize=256)
-def _pipeline_depth(cu_seqlens, layout, world_size, value_heads, qk_heads, head_dim) -> int:
+def _pipeline_depth(cu_seqlens, layout, world_size, value_heads, qk_heads, head_dim, min_group_heads) -> int:
     wait = relay_chain_pass(cu_seqlens, layout, world_size, value_heads, head_dim) if world_size > 1 else 0.0
-    fits = [G for G in pipeline_depths(value_heads, qk_heads) if G == 1 or value_heads // G >= MIN_GROUP_HEADS]
+    fits = [G for G in pipeline_depths(value_heads, qk_heads) if G == 1 or value_heads // G >= min_group_heads]
     return min(fits, key=lambda G: (wait / G + (G - 1) * GROUP_COST, G))

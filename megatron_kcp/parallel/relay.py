@@ -118,7 +118,7 @@ def pipeline(core, P, plan: KCPPlan, h0: torch.Tensor) -> list[slice | None]:
     if not getattr(core, "head_slices", False):
         return [None]
     HV, K = h0.shape[1], h0.shape[2]
-    return head_groups(HV, pipeline_depth(plan, HV, P.qk_heads, K))
+    return head_groups(HV, pipeline_depth(plan, HV, P.qk_heads, K, core.min_group_heads))
 
 
 class Relay(StateExchange):

@@ -214,6 +214,20 @@ def test_pipeline_depth_is_one_where_nothing_waits(monkeypatch):
     assert cost_model.pipeline_depth(plan, 4, 4, 128) == 1          # too few heads to split
 
 
+def test_flash_qla_core_keeps_one_group_unless_forced(monkeypatch):
+    """flash-qla's passes are latency-bound scans (a group's pass takes about as long as all heads'):
+    its core says so, and the cost model keeps G = 1 where it would split fla's; KCP_RELAY_GROUPS
+    still forces groups (the GPU tests run them)."""
+    from megatron_kcp.ops.core_fla import GDNCore
+    from megatron_kcp.ops.core_qla import GDNQLACore
+    monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
+    plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
+    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNCore.min_group_heads) > 1
+    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNQLACore.min_group_heads) == 1
+    monkeypatch.setenv("KCP_RELAY_GROUPS", "4")
+    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNQLACore.min_group_heads) == 4
+
+
 def test_pipeline_depth_override(monkeypatch):
     """``KCP_RELAY_GROUPS`` wins where it divides H (whole q/k heads a group); anything else is a
     ValueError naming the fix, raised by the relay's check before any kernel."""
