@@ -44,7 +44,7 @@ COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline"
            "launches", "graph_ms", "note")
 
 
-def rank_step(plan, xs, do, backend: str):
+def rank_step(plan, xs, do, backend: str, max_segment: int | None = None):
     """(step, leaves): one rank's fwd+bwd with its exchange stubbed; ``step()`` returns the input gradients."""
     from megatron_kcp.ops import kcp
     idx = local_token_index(plan).to(do.device)
@@ -56,7 +56,8 @@ def rank_step(plan, xs, do, backend: str):
             for p in stubs.patches(plan.rank):
                 stack.enter_context(p)
             stubs.points.clear(), stubs.stamps.clear()
-            o = kcp.gated_delta_rule(*leaves, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend)
+            o = kcp.gated_delta_rule(*leaves, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend,
+                                     max_segment=max_segment)
             return torch.autograd.grad(o, leaves, dl)
     return step
 
@@ -141,6 +142,8 @@ def main(argv=None):
     p.add_argument("--cp", type=int, nargs="+", default=[2])
     p.add_argument("--layout", default="zigzag_per_doc", help="Megatron's layout (default: per-document zigzag)")
     p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto")
+    p.add_argument("--max-segment", type=int, default=None,
+                   help="split segments into parts of at most this many tokens (0: never; default: the kernels' pick)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph capture")
@@ -173,14 +176,14 @@ def main(argv=None):
                     cu = cu_seqlens(docs, T, pad=2 * W)
                     for r in range(W):
                         plan = build_plan(cu, args.layout, W, r)
-                        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend)
+                        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend, max_segment=args.max_segment)
                         row = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, rank=r, layout=args.layout,
                                    pipeline=pipeline_depth(plan, s.HV, s.H, s.K,
                                                            None if d.core == "qla" else MIN_GROUP_HEADS)
                                    if d.strategy == "relay" else 1,
                                    note=d.describe())
                         try:
-                            step = rank_step(plan, xs, do, backend)
+                            step = rank_step(plan, xs, do, backend, args.max_segment)
                             row.update(measure(step, args, cuda))
                             if cuda:
                                 k, n = kernels(step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -281,3 +282,17 @@ def test_host_time_smoke_writes_every_rank(tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert [r["rank"] for r in rows] == ["0", "1"], rows
     assert all(float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows
+
+
+@pytest.mark.slow
+def test_device_perdoc_walks_every_stage_on_the_cpu(tmp_path):
+    """scripts/device_perdoc.sh with --smoke: every stage runs and writes its CSV."""
+    env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_EXTRA": "--smoke",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.count("exit 0") == 6, summary
+    for name in ("split-whole", "split-4096", "single", "perdoc128k", "scale", "kda32k"):
+        assert len((tmp_path / f"{name}.csv").read_text().splitlines()) > 1, name
