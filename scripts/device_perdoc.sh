@@ -10,7 +10,7 @@
 #               flash-qla's segments whole (--max-segment 0) and split into 4096-token parts     split.csv
 #   single      perdoc.py, one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, Kimi-Linear KDA, H = 64,
 #               32k, 128k and 1M tokens, W = 2, against noCP, flash-qla's call, cp2hp, fla's CP and our
-#               step on one head group                                                          single.csv
+#               step on one head group; then W = 4 to 64 at 128k tokens        single.csv, single-scale.csv
 #   perdoc128k  perdoc.py, 1 to 300 documents at 128k tokens, W = 2, op, mixer and block level  perdoc128k.csv
 #   scale       perdoc.py, op level, 128k tokens, W = 4, 8, 16 and 64                           scale.csv
 #   kda         perdoc.py, Kimi-Linear KDA at 32k tokens, W = 2 (the current cost model)       kda32k.csv
@@ -40,7 +40,10 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
     single)
       stage single benchmarks/perdoc.py --docs single --levels ops --cp 2 \
         --shapes qwen3-next qwen3-next-tp2 kimi-linear h64-gdn h64-kda --tokens 32768 131072 1048576 \
-        --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp --csv "$OUT/single.csv" ;;
+        --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp --csv "$OUT/single.csv"
+      stage single-scale benchmarks/perdoc.py --docs single --levels ops --cp 4 8 16 64 \
+        --shapes qwen3-next kimi-linear h64-gdn --tokens 131072 \
+        --methods noCP noCP-qla fla-cp kcp-unpipelined kcp --csv "$OUT/single-scale.csv" ;;
     perdoc128k)
       stage perdoc128k benchmarks/perdoc.py --shapes qwen3-next kimi-linear --tokens 131072 --cp 2 \
         --methods noCP noCP-qla cp2hp cp2hp-qla mlm-chunkwise kcp-noconvert kcp --csv "$OUT/perdoc128k.csv" ;;

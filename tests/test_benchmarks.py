@@ -293,6 +293,6 @@ def test_device_perdoc_walks_every_stage_on_the_cpu(tmp_path):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    assert summary.count("exit 0") == 6, summary
-    for name in ("split-whole", "split-4096", "single", "perdoc128k", "scale", "kda32k"):
+    assert summary.count("exit 0") == 7, summary
+    for name in ("split-whole", "split-4096", "single", "single-scale", "perdoc128k", "scale", "kda32k"):
         assert len((tmp_path / f"{name}.csv").read_text().splitlines()) > 1, name
