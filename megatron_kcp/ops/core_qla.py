@@ -81,8 +81,7 @@ class GDNQLACore:
     fused = True                 # output and backward_rest run their own passes: a pass only for what leaves
     head_slices = True           # a pass on a head group copies its heads' inputs (see the module docstring)
     # a pass is one scan per head and sequence, latency-bound at the heads a rank holds: a group's pass
-    # takes about as long as all heads' (one H200, 32 heads, one 32k sequence at W = 2: two groups
-    # added 1.1 to 2.2 ms of kernels a rank to a 6.6 ms step, BENCHMARKS.md), so the pipeline never pays
+    # takes about as long as all heads', so the pipeline does not pay (measured: BENCHMARKS.md)
     min_group_heads = None
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
