@@ -37,15 +37,15 @@ import torch  # noqa: E402
 
 from benchmarks import simulate  # noqa: E402
 from benchmarks.common import cu_seqlens, fresh_leaves  # noqa: E402
-from benchmarks.perdoc import SHAPES, TINY, inputs  # noqa: E402
-from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
+from benchmarks.perdoc import DOCS, SHAPES, TINY, inputs  # noqa: E402
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline", "step_ms", "host_ms", "kernel_ms",
            "launches", "graph_ms", "note")
 
 
 def rank_step(plan, xs, do, backend: str, max_segment: int | None = None):
-    """(step, leaves): one rank's fwd+bwd with its exchange stubbed; ``step()`` returns the input gradients."""
+    """``step()``: one rank's fwd+bwd with its exchange stubbed, returning the input gradients."""
     from megatron_kcp.ops import kcp
     idx = local_token_index(plan).to(do.device)
     leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
@@ -138,9 +138,10 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["qwen3-next-tp2", "qwen3-next", "h64-gdn"])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
-    p.add_argument("--docs", nargs="+", default=["single"])
+    p.add_argument("--docs", nargs="+", choices=list(DOCS), default=["single"])
     p.add_argument("--cp", type=int, nargs="+", default=[2])
-    p.add_argument("--layout", default="zigzag_per_doc", help="Megatron's layout (default: per-document zigzag)")
+    p.add_argument("--layout", choices=list(LAYOUTS), default="zigzag_per_doc",
+                   help="the CP layout (default: Megatron's per-document zigzag)")
     p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto")
     p.add_argument("--max-segment", type=int, default=None,
                    help="split segments into parts of at most this many tokens (0: never; default: the kernels' pick)")
@@ -167,7 +168,7 @@ def main(argv=None):
         with open(args.csv, "w", newline="") as f:
             csv.DictWriter(f, COLUMNS).writeheader()
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS, pipeline_depth
+    from megatron_kcp.parallel.cost_model import pipeline_depth
     for name, s in shapes.items():
         for T in args.tokens:
             for docs in args.docs:
@@ -177,10 +178,9 @@ def main(argv=None):
                     for r in range(W):
                         plan = build_plan(cu, args.layout, W, r)
                         d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend, max_segment=args.max_segment)
+                        groups = dispatch.build_core(d.core, xs[0], xs[2], xs[3]).min_group_heads
                         row = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, rank=r, layout=args.layout,
-                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K,
-                                                           None if d.core == "qla" else MIN_GROUP_HEADS)
-                                   if d.strategy == "relay" else 1,
+                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K, groups) if d.strategy == "relay" else 1,
                                    note=d.describe())
                         try:
                             step = rank_step(plan, xs, do, backend, args.max_segment)

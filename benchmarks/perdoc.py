@@ -146,7 +146,7 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend):
     call with and without the op's conversion. A method that fails (out of memory) is left out, said."""
     from megatron_kcp.ops import dispatch, kcp
     from megatron_kcp.parallel.convert import target_plan
-    from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS, pipeline_depth
+    from megatron_kcp.parallel.cost_model import pipeline_depth
     from megatron_kcp.parallel.relayout import relayout
     out, want = {}, set(args.methods)
 
@@ -159,7 +159,8 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend):
         depth = ""
         if d.strategy == "relay" and W > 1:
             inner = target_plan(plan, d.layout) if d.layout else plan
-            groups = pipeline_depth(inner, s.HV, s.H, s.K, None if d.core == "qla" else MIN_GROUP_HEADS)
+            core = dispatch.build_core(d.core, xs[0], xs[2], xs[3])
+            groups = pipeline_depth(inner, s.HV, s.H, s.K, core.min_group_heads)
             depth = f", {groups} head groups"
         return d.describe() + depth
 
