@@ -16,8 +16,8 @@ rank's own tokens.
   model says the fewer crossing documents pay for the all-to-alls
   (:func:`megatron_kcp.parallel.cost_model.convert_pays`); core, strategy and split are then decided
   on the contiguous plan.
-* The split (``max_segment=None``): where flash-qla's scans would be latency-bound (few heads, a few
-  long segments a rank), segments are split into parts that the all-gather chains
+* The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
+  segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGathe
 
 # flash-qla against fla, fitted on GPU runs (BENCHMARKS.md): where a rank's scans are too few to fill
 # the GPU, or its per-document segments too many, fla's kernels are faster
-QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, qla's scans are latency-bound
+QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, fla's kernels beat qla's
 QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: above, qla's covering passes lose
-QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
+QLA_SPLIT_CHAINS = 128        # heads x chains below which qla's scans are latency-bound and its segments are
+                              # split, and the scans the split gives a rank (about one per SM)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add launches (fold steps) to a host-bound step
 
@@ -171,10 +172,12 @@ def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
 
 
 def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
-    """Where flash-qla's scans would be latency-bound (:func:`qla_worth`'s first test fails: few heads,
-    a few long segments a rank), the part length (a multiple of the 64-token chunk, at least
-    ``QLA_SPLIT_MIN_PART``) that splits the busiest rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0
-    where no split is needed or none pays (a step too small to be anything but host-bound)."""
+    """Where flash-qla's scans would be latency-bound (heads x chains below ``QLA_SPLIT_CHAINS``: a
+    few long segments a rank, even at 64 heads), the part length (a multiple of the 64-token chunk, at
+    least ``QLA_SPLIT_MIN_PART``) that splits the busiest rank's stream into ``QLA_SPLIT_CHAINS``
+    scans; 0 where no split is needed or none pays (a step too small to be anything but host-bound).
+    flash-qla's own intra-GPU split (``autocp.decide``, its fitted kernel-time model) splits the same
+    shapes into parts of the same order."""
     return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
 
 
@@ -184,7 +187,7 @@ def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, 
     longest = max(max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
     chains = min(p.num_local_tokens for p in plans) / longest
     tokens = max(p.num_local_tokens for p in plans)
-    if value_heads * chains >= QLA_MIN_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
+    if value_heads * chains >= QLA_SPLIT_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
             layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
         return 0
     part = max(QLA_SPLIT_MIN_PART, -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64)
