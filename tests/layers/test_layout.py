@@ -35,6 +35,9 @@ def block(model: str, cp: int, pg, shape=CPU):
     cfg = config(model, shape, cp, num_layers=4, linear_attention_freq=4, kv_channels=16, hidden_dropout=0.0,
                  attention_dropout=0.0)
     torch.manual_seed(0)
+    if shape.device == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(0)       # Megatron initialises under the CUDA RNG tracker
     layers = spec.kda_hybrid_layer_spec if model == "kda" else spec.gdn_hybrid_layer_spec
     return TransformerBlock(cfg, layers, pg_collection=pg).to(shape.device)
 
@@ -47,7 +50,11 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     chunk a rank's pieces differently from the whole stream and round differently, and a weight
     gradient summed over tokens (the gate's ``A_log``) can cancel down to that rounding; so both runs
     are measured against the same modules in fp64 on the CPU, and CP's error may not exceed 1.5x the
-    one-device error (plus ``shape.tol`` / 100)."""
+    one-device error (plus ``shape.tol`` / 100); a weight gradient, a sum over tokens, may also reach
+    ``shape.tol`` / 10, the kernels' fp32 rounding of such sums: the one-device run's own errors reach
+    it, and where the crossing document's chunk grid moves, CP draws that rounding afresh. The output
+    and input gradient keep the tight bound, so the off-by-one control, which moves the block's output
+    by a few 1e-3 through the residual stream, still misses by 10x."""
     import dataclasses
 
     import torch.distributed as dist
@@ -102,11 +109,15 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
             truth[k] = truth[k][idx]
         errs = {k: rel_err(got[k].cpu(), truth[k]) for k in got}
         bound = {k: 1.5 * rel_err(one[k].cpu(), truth[k]) + shape.tol / 100 for k in got}
+        for k in set(got) - {"y", "dx"}:       # sums over tokens: at least the kernels' fp32 rounding
+            bound[k] = max(bound[k], shape.tol / 10)
     if dist.get_rank() == 0 and shape is not CPU:
         worst = max(errs, key=lambda k: errs[k] / bound[k])
         print(f"{model} {what} W={cp} {n_docs} docs{' (control)' if expect_fail else ''}: y {errs['y']:.1e} "
               f"(bound {bound['y']:.1e}) dx {errs['dx']:.1e} (bound {bound['dx']:.1e}); closest to its bound: "
               f"{worst} {errs[worst]:.1e} (bound {bound[worst]:.1e})", flush=True)
+        if errs[worst] > bound[worst]:
+            print("  every error against its bound:", {k: f"{errs[k]:.1e}/{bound[k]:.1e}" for k in errs}, flush=True)
     if expect_fail:
         assert errs["y"] > 10 * bound["y"] and errs["dx"] > 10 * bound["dx"], errs
     else:
