@@ -327,7 +327,7 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             torch.cuda.empty_cache()
             return None
     qla_ok = s.model == "GDN" and not args.smoke and args.qla
-    nocp = one_gpu()
+    nocp = one_gpu() if "noCP" in want else None
     qla = one_gpu(qla=True) if qla_ok and "noCP-qla" in want else None
     core = core_steps(s, cu, W, xs, do, args, backend)
     link_cp2hp = 2 * (link(in_bytes, W, args) + link(o_bytes, W, args))
