@@ -48,8 +48,9 @@ STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGathe
 # the GPU, or its per-document segments too many, fla's kernels are faster
 QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, fla's kernels beat qla's
 QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: above, qla's covering passes lose
-QLA_SPLIT_CHAINS = 128        # heads x chains below which qla's scans are latency-bound and its segments are
-                              # split, and the scans the split gives a rank (about one per SM)
+QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
+QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays: it adds its maps' passes, about 0.4
+                              # to 0.75 of the step's work on the H200 runs, so 128 / 1.6 scans
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add launches (fold steps) to a host-bound step
 
@@ -172,12 +173,12 @@ def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
 
 
 def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
-    """Where flash-qla's scans would be latency-bound (heads x chains below ``QLA_SPLIT_CHAINS``: a
-    few long segments a rank, even at 64 heads), the part length (a multiple of the 64-token chunk, at
-    least ``QLA_SPLIT_MIN_PART``) that splits the busiest rank's stream into ``QLA_SPLIT_CHAINS``
-    scans; 0 where no split is needed or none pays (a step too small to be anything but host-bound).
-    flash-qla's own intra-GPU split (``autocp.decide``, its fitted kernel-time model) splits the same
-    shapes into parts of the same order."""
+    """Where flash-qla's scans are latency-bound enough that the split's extra passes pay (heads x
+    chains below ``QLA_SPLIT_BELOW``: one or two long segments a rank, even at 64 heads), the part
+    length (a multiple of the 64-token chunk, at least ``QLA_SPLIT_MIN_PART``) that splits the
+    busiest rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0 where no split is needed or none pays (a
+    step too small to be anything but host-bound). On one long sequence, flash-qla's own intra-GPU
+    split (``autocp.decide``, its fitted kernel-time model) picks parts of the same order."""
     return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
 
 
@@ -187,7 +188,7 @@ def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, 
     longest = max(max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
     chains = min(p.num_local_tokens for p in plans) / longest
     tokens = max(p.num_local_tokens for p in plans)
-    if value_heads * chains >= QLA_SPLIT_CHAINS or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
+    if value_heads * chains >= QLA_SPLIT_BELOW or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
             layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
         return 0
     part = max(QLA_SPLIT_MIN_PART, -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64)
