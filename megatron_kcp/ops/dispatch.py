@@ -49,8 +49,7 @@ STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGathe
 QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, fla's kernels beat qla's
 QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: above, qla's covering passes lose
 QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
-QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays: it adds its maps' passes, about 0.4
-                              # to 0.75 of the step's work on the H200 runs, so 128 / 1.6 scans
+QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (BENCHMARKS.md)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add launches (fold steps) to a host-bound step
 
