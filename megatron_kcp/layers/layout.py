@@ -29,7 +29,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, convert_pays
-from megatron_kcp.parallel.plan import check_cu_seqlens
+from megatron_kcp.parallel.plan import capturing, check_cu_seqlens
 from megatron_kcp.parallel.relayout import check_tp_cp_group, relayout
 
 SOURCE, TARGET = "zigzag_per_doc", "contiguous"
@@ -55,6 +55,11 @@ def thd_cu_seqlens(packed_seq_params) -> tuple[int, ...] | None:
     padded documents), or None for a ``[s, b]`` batch."""
     if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
         return None
+    if capturing():
+        raise ValueError("a THD pack inside a CUDA graph: KCP plans its exchange from the documents' lengths on "
+                         "the host, and the graph would replay this batch's plan for every later batch. Keep the "
+                         "linear-attention layers out of the capture (cuda_graph_modules without 'attn'), or "
+                         "capture only steps without packed documents")
     cu = packed_seq_params.cu_seqlens_q_padded
     cu = cu if cu is not None else packed_seq_params.cu_seqlens_q
     if cu is None:

@@ -185,9 +185,19 @@ def _cu_list(t: torch.Tensor) -> list[int]:
     return values
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
     """cu_seqlens as a tuple of ints, validated; names the fix on bad input."""
     if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu" and capturing():
+            raise ValueError("cu_seqlens on the GPU while a CUDA graph is captured: KCP reads them on the host to "
+                             "plan its exchange, which capture forbids, and the graph would replay this plan for every "
+                             "later batch. Capture only calls whose cu_seqlens never change, given as a tuple or a "
+                             "CPU tensor")
         batched = cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1   # Megatron keeps a (1, n) batch dim
         if not (cu_seqlens.dim() == 1 or batched) or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "

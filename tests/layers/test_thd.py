@@ -38,3 +38,20 @@ def _thd(model):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 def test_thd_packed_documents(model):
     spawn(_thd, 2, model)
+
+
+def test_thd_pack_refused_under_cuda_graph_capture():
+    """Inside a CUDA graph a THD pack would keep the captured batch's plan for every later batch: the
+    layers refuse it with the fix; an [s, b] batch (no pack) plans from its shape and is let through."""
+    from unittest import mock
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_kcp.layers import layout
+    cu = torch.tensor([0, 8, 64], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=56, max_seqlen_kv=56)
+    assert layout.thd_cu_seqlens(thd) == (0, 8, 64)
+    with mock.patch.object(layout, "capturing", return_value=True):
+        with pytest.raises(ValueError, match="THD pack inside a CUDA graph.*cuda_graph_modules without 'attn'"):
+            layout.thd_cu_seqlens(thd)
+        assert layout.thd_cu_seqlens(None) is None

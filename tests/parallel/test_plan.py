@@ -164,3 +164,15 @@ def test_cu_seqlens_tensor_read_once_and_again_when_changed():
     assert check_cu_seqlens(torch.tensor([[0, 3, 8]])) == (0, 3, 8)     # Megatron's (1, n)
     with torch.inference_mode():
         assert check_cu_seqlens(torch.tensor([0, 5, 8])) == (0, 5, 8)
+
+
+def test_cu_seqlens_on_the_gpu_refused_under_graph_capture():
+    """A CUDA graph would replay the plan of the batch it captured: device cu_seqlens (which the plan must
+    read on the host) are refused while capturing, with the fix; host values, which the caller keeps
+    fixed, are not."""
+    from unittest import mock
+    with mock.patch("megatron_kcp.parallel.plan.capturing", return_value=True):
+        with pytest.raises(ValueError, match="CUDA graph is captured.*never change"):
+            check_cu_seqlens(torch.tensor([0, 4, 8], device="meta"))
+        assert check_cu_seqlens(torch.tensor([0, 4, 8])) == (0, 4, 8)
+        assert check_cu_seqlens((0, 4, 8)) == (0, 4, 8)
