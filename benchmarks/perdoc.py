@@ -76,6 +76,7 @@ SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
           "kimi-linear": Shape("KDA", 32, 32, 128, 2304, (32, 32, 128)),
           "qwen3-next-tp2": Shape("GDN", 8, 16, 128),       # one TP = 2 rank's heads (op level)
           "h64-gdn": Shape("GDN", 64, 64, 128), "h64-kda": Shape("KDA", 64, 64, 128)}
+CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
 METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
            "kcp")
 TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
@@ -139,11 +140,12 @@ def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
     return max(ends), sent
 
 
-def core_steps(s: Shape, cu, W, xs, do, args, backend):
+def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: None):
     """{method: (seconds, bytes sent, note)} of the core's CP step alone, for the methods asked for:
     ``kcp-op`` converts the op's own inputs where the cost model says so, ``kcp-contiguous`` runs on the
     contiguous plan (the mixers' conversions happen outside), ``mlm-op`` / ``mlm-contiguous`` are fla's CP
-    call with and without the op's conversion. A method that fails (out of memory) is left out, said."""
+    call with and without the op's conversion. A method that fails (out of memory) is left out, said.
+    ``done(key, result)`` is called as each finishes."""
     from megatron_kcp.ops import dispatch, kcp
     from megatron_kcp.parallel.convert import target_plan
     from megatron_kcp.parallel.cost_model import pipeline_depth
@@ -168,6 +170,7 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend):
         try:
             with mock.patch.dict(os.environ, env or {}):
                 out[method] = (*predicted(cu, W, xs, do, fn_of, args), text or note(plan))
+            done(method, out[method])
         except torch.OutOfMemoryError:
             print(f"{method}: out of memory", flush=True)
         finally:
@@ -327,18 +330,48 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             torch.cuda.empty_cache()
             return None
     qla_ok = s.model == "GDN" and not args.smoke and args.qla
+
+    def emit(level, rows, method):
+        """Write one row of ``rows`` ({method: (seconds, width, note)}), eff and x_cp2hp from the rows
+        there."""
+        sec, width, note = rows[method]
+        eff = rows["noCP"][0] / (W * sec) if width > 1 and "noCP" in rows else 1.0 if width == 1 else ""
+        x = rows["cp2hp"][0] / sec if "cp2hp" in rows and width > 1 else ""
+        write(dict(base, level=level, method=method, W=width, ms=sec * 1e3, eff=eff, x_cp2hp=x, note=note,
+                   layout="-" if width == 1 else "contiguous" if method == "fla-cp" else "zigzag_per_doc",
+                   **{"pass": "fwd+bwd"}))
+
+    # op-level rows are written as each finishes (a run cut short keeps them); the others at the end
+    ops_rows = {}
+
+    def op_row(method, sec, width, note):
+        ops_rows[method] = (sec, width, note)
+        if "ops" in args.levels:
+            emit("ops", ops_rows, method)
     nocp = one_gpu() if "noCP" in want else None
+    if nocp is not None:
+        op_row("noCP", nocp, 1, "")
     qla = one_gpu(qla=True) if qla_ok and "noCP-qla" in want else None
-    core = core_steps(s, cu, W, xs, do, args, backend)
+    if qla is not None:
+        op_row("noCP-qla", qla, 1, "flash-qla's call")
     link_cp2hp = 2 * (link(in_bytes, W, args) + link(o_bytes, W, args))
     cp2hp = cp2hp_qla = None
     if s.H % W == 0:
         if "cp2hp" in want and (c := one_gpu(heads_div=W)) is not None:
             cp2hp = c + link_cp2hp
+            op_row("cp2hp", cp2hp, W, "fla's kernels")
         if "cp2hp-qla" in want and qla_ok and (c := one_gpu(heads_div=W, qla=True)) is not None:
             cp2hp_qla = c + link_cp2hp
+            op_row("cp2hp-qla", cp2hp_qla, W, CP2HP_QLA)
+    named = {"mlm-op": "mlm-chunkwise", "mlm-contiguous": "fla-cp", "kcp-noconvert": "kcp-noconvert",
+             "kcp-unpipelined": "kcp-unpipelined", "kcp-op": "kcp"}
 
-    levels = {"ops": (0.0, 0.0, 1)}
+    def core_done(key, result):
+        if key in named and named[key] in want:
+            op_row(named[key], result[0], W, result[2])
+    core = core_steps(s, cu, W, xs, do, args, backend, core_done)
+
+    levels = {}                            # level: (per-token work at CP = W, at CP = 1, linear layers)
     if s.hidden and "mixer" in args.levels:
         levels["mixer"] = (per_token_work(shape_name, s, T // W, "mixer", dtype, dev, args),
                            per_token_work(shape_name, s, T, "mixer", dtype, dev, args), 1)
@@ -349,8 +382,6 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
         levels["block"] = (per_token_work(shape_name, s, T // W, "block", dtype, dev, args) + attn / W + kv_gather,
                            per_token_work(shape_name, s, T, "block", dtype, dev, args) + attn, 3)
     for level, (rest, rest_nocp, layers) in levels.items():
-        if level not in args.levels:
-            continue
         # hidden-state all-to-alls: four per run of linear layers (kcp), four per layer (Megatron-LM dev)
         conv_run = 4 * link(hidden_bytes, W, args)
         rows = {}
@@ -361,38 +392,25 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
         if cp2hp is not None:
             rows["cp2hp"] = (rest + layers * cp2hp, W, "fla's kernels")
         if cp2hp_qla is not None:
-            rows["cp2hp-qla"] = (rest + layers * cp2hp_qla, W, "flash-qla's call (megatron-core with flash-qla "
-                                                               "installed)")
-        if level == "ops":
-            named = {"mlm-chunkwise": "mlm-op", "fla-cp": "mlm-contiguous", "kcp-noconvert": "kcp-noconvert",
-                     "kcp-unpipelined": "kcp-unpipelined", "kcp": "kcp-op"}
-            for method, key in named.items():
-                if method in want and key in core:
-                    rows[method] = (core[key][0], W, core[key][2])
-        else:
-            if "mlm-chunkwise" in want and "mlm-contiguous" in core:
-                rows["mlm-chunkwise"] = (rest + layers * (core["mlm-contiguous"][0] + conv_run), W,
-                                         "fla CP, hidden states converted per layer")
-            if "kcp-noconvert" in core:
-                rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
-            # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
-            from megatron_kcp.layers.layout import SOURCE
-            from megatron_kcp.parallel.cost_model import convert_pays
-            he = s.hidden * e
-            if "kcp" not in want:
-                pass
-            elif convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers) and "kcp-contiguous" in core:
-                rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
-                               f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
-            elif "kcp-op" in core:
-                rows["kcp"] = (rest + layers * core["kcp-op"][0], W, core["kcp-op"][2])
-        for method, (sec, width, note) in rows.items():
-            ms = sec * 1e3
-            eff = rows["noCP"][0] / (W * sec) if width > 1 and "noCP" in rows else 1.0 if width == 1 else ""
-            x = rows["cp2hp"][0] / sec if "cp2hp" in rows and width > 1 else ""
-            write(dict(base, level=level, method=method, W=width, ms=ms, eff=eff, x_cp2hp=x, note=note,
-                       layout="-" if width == 1 else "contiguous" if method == "fla-cp" else "zigzag_per_doc",
-                       **{"pass": "fwd+bwd"}))
+            rows["cp2hp-qla"] = (rest + layers * cp2hp_qla, W, CP2HP_QLA)
+        if "mlm-chunkwise" in want and "mlm-contiguous" in core:
+            rows["mlm-chunkwise"] = (rest + layers * (core["mlm-contiguous"][0] + conv_run), W,
+                                     "fla CP, hidden states converted per layer")
+        if "kcp-noconvert" in core:
+            rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
+        # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
+        from megatron_kcp.layers.layout import SOURCE
+        from megatron_kcp.parallel.cost_model import convert_pays
+        he = s.hidden * e
+        if "kcp" not in want:
+            pass
+        elif convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers) and "kcp-contiguous" in core:
+            rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
+                           f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
+        elif "kcp-op" in core:
+            rows["kcp"] = (rest + layers * core["kcp-op"][0], W, core["kcp-op"][2])
+        for method in rows:
+            emit(level, rows, method)
 
 
 def main(argv=None):
