@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suites in one run: versions, the GPU tests (op and mixer level, fla vs reference and
-# CP vs one GPU) and the CP=4 peak-memory report, with logs and per-case errors written to $OUT
+# CP vs one GPU, the converted layout on THD packs, a rank's step replayed from a CUDA graph) and the
+# CP=4 peak-memory report, with logs and per-case errors written to $OUT
 # (default /tmp/out). Run from the repo root:
 #   bash scripts/device_gpu_checks.sh
 # Needs: one or more CUDA GPUs (CP ranks get a GPU each over NCCL where there are enough, else share
@@ -33,6 +34,8 @@ suite ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]" &
 suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
 suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
 suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
+suite layout_w2 tests/layers/test_layout.py -k on_gpu &
+suite graph tests/ops/test_kcp_cuda.py -k replays &
 [ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS
   timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
