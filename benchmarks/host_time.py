@@ -96,16 +96,9 @@ def kernels(step) -> tuple[float, int]:
 
 def graphed(step, args) -> tuple[float | None, str]:
     """(median replay seconds, '') of the step captured in a CUDA graph, or (None, why not)."""
+    from megatron_kcp.testing.graphs import capture
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
+        g, _ = capture(step)
     except Exception as e:  # noqa: BLE001 - the reason is the result
         torch.cuda.synchronize()
         return None, f"capture fails: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

@@ -496,6 +496,8 @@ def test_rank_step_replays_from_a_cuda_graph(backend, kda, max_segment):
     segments) captured in a CUDA graph: capture finds no host synchronisation, and a replay on new
     inputs copied into the captured ones equals the eager step on them, on both ranks."""
     import contextlib
+
+    from megatron_kcp.testing.graphs import capture
     if backend == "qla":
         try:
             check_qla(torch.device("cuda"), torch.bfloat16, False, (K, V))
@@ -519,15 +521,7 @@ def test_rank_step_replays_from_a_cuda_graph(backend, kda, max_segment):
                 o = kcp.gated_delta_rule(*leaves, plan, object(), use_qk_l2norm=True, backend=backend,
                                          max_segment=max_segment)
                 return [o.detach(), *torch.autograd.grad(o, leaves, dout)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture(step, warmup=2)
         with torch.no_grad():
             for leaf, x in zip(leaves, data[1]):
                 leaf.copy_(x)
