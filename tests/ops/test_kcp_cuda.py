@@ -8,7 +8,8 @@ comparison with the exchange switched off, which must miss by at least 10x the t
 runs fla's fp32 products as 3xTF32 (``TRITON_F32_DEFAULT=tf32x3``) where fla lets it.
 ``KCP_GPU_LAYOUTS``, ``KCP_GPU_DTYPES`` and ``KCP_GPU_MODELS`` (comma lists: layouts; bfloat16,float32;
 gdn,kda) cut the CP cases to fit a short device call; ``KCP_GPU_BACKEND=qla`` runs GDN in bf16 on the
-qla core (flash-qla's kernels; its strategies: relay, and auto) instead of fla's, everywhere else fla.
+qla core (flash-qla's kernels; its strategies: relay, auto, and auto on segments split into parts) instead of
+fla's, everywhere else fla.
 """
 from __future__ import annotations
 
@@ -77,9 +78,15 @@ def _backend(kda, dtype):
     return "qla" if BACKEND == "qla" and not kda and dtype == torch.bfloat16 else "fla"
 
 
+# "split": segments cut into parts of this many tokens (not a multiple of the 64-token chunk), the parts
+# chained by the all-gather's fold, as the default runs flash-qla where a rank has few scans
+SPLIT = 96
+
+
 def _run(plan, group, xs, do, strategy, conv, backend="fla"):
     xs = [x.detach().clone().requires_grad_() for x in xs]
-    o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, strategy=strategy)
+    cut = dict(strategy="auto", max_segment=SPLIT) if strategy == "split" else dict(strategy=strategy)
+    o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, **cut)
     conv_backend = "reference" if backend == "reference" else "fla"
     return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, conv_backend)]
 
@@ -331,7 +338,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 tag = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
                        f"nseq={len(cu) - 1:3d} {backend}")
                 # and the cp2hp peer (all-to-all to head shards, fla's kernels), where the heads split over the ranks
-                strategies = ("relay", "auto") if backend == "qla" else STRATEGIES
+                strategies = ("relay", "auto", "split") if backend == "qla" else STRATEGIES
                 strategies += ("convert",) if layout != "contiguous" else ()     # to contiguous and back
                 for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
                     errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv,
