@@ -35,7 +35,8 @@ suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
 suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
 suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
 suite layout_mixers tests/layers/test_layout.py -k "on_gpu and mixer" &
-suite layout_blocks tests/layers/test_layout.py -k "on_gpu and block" &
+suite layout_block_gdn tests/layers/test_layout.py -k "on_gpu and block-gdn" &
+suite layout_block_kda tests/layers/test_layout.py -k "on_gpu and block-kda" &
 suite graph tests/ops/test_kcp_cuda.py -k replays &
 [ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS
