@@ -209,9 +209,10 @@ def test_pipeline_depth_is_one_where_nothing_waits(monkeypatch):
         for p in all_plans(cu, layout, W):
             assert cost_model.pipeline_depth(p, 64, 64, 128) == 1, (cu, layout, W)
     plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
-    G = cost_model.pipeline_depth(plan, 64, 64, 128)
-    assert G > 1 and 64 // G >= cost_model.MIN_GROUP_HEADS
-    assert cost_model.pipeline_depth(plan, 4, 4, 128) == 1          # too few heads to split
+    G = cost_model.pipeline_depth(plan, 128, 128, 128)
+    assert G > 1 and 128 // G >= cost_model.MIN_GROUP_HEADS
+    assert cost_model.pipeline_depth(plan, 64, 64, 128) == 1        # groups too small to fill the GPU
+    assert cost_model.pipeline_depth(plan, 4, 4, 128) == 1
 
 
 def test_flash_qla_core_keeps_one_group_unless_forced(monkeypatch):
@@ -222,10 +223,10 @@ def test_flash_qla_core_keeps_one_group_unless_forced(monkeypatch):
     from megatron_kcp.ops.core_qla import GDNQLACore
     monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
     plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
-    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNCore.min_group_heads) > 1
-    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNQLACore.min_group_heads) == 1
+    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNCore.min_group_heads) > 1
+    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNQLACore.min_group_heads) == 1
     monkeypatch.setenv("KCP_RELAY_GROUPS", "4")
-    assert cost_model.pipeline_depth(plan, 64, 64, 128, GDNQLACore.min_group_heads) == 4
+    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNQLACore.min_group_heads) == 4
 
 
 def test_pipeline_depth_override(monkeypatch):
