@@ -163,7 +163,7 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
             inner = target_plan(plan, d.layout) if d.layout else plan
             core = dispatch.build_core(d.core, xs[0], xs[2], xs[3])
             groups = pipeline_depth(inner, s.HV, s.H, s.K, core.min_group_heads)
-            depth = f", {groups} head groups"
+            depth = f", {groups} head group{'s' if groups > 1 else ''}"
         return d.describe() + depth
 
     def run(method, fn_of, plan, env=None, text=None):
