@@ -29,8 +29,8 @@
 #   KCP_BENCH_LAYER_TOKENS=128 KCP_BENCH_LARGE_HEADS=4 bash scripts/device_bench.sh
 # Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); every shape is tuned in untimed
 # warm-up calls. The tuning results (small JSON files) and tilelang's kernels are packed into
-# $OUT/tcache.tar.gz; copied to .tcache/tcache.tar.gz in the checkout, they spare a later run the
-# tuning (scripts/device_cache.sh). $OUT gets the CSVs, the PNGs, logs.tar.gz and tcache.tar.gz;
+# $OUT/tcache.tar.xz; copied to .tcache/tcache.tar.xz in the checkout, they spare a later run the
+# tuning (scripts/device_cache.sh). $OUT gets the CSVs, the PNGs, logs.tar.gz and tcache.tar.xz;
 # the tables are printed at the end.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1

@@ -1,24 +1,27 @@
 # Sourced by the device_*.sh scripts: Triton's and tilelang's caches under /tmp/$name, seeded from
-# .tcache/$name.tar.gz when the checkout has one (a cache saved by an earlier run, possibly on
+# .tcache/$name.tar.xz when the checkout has one (a cache saved by an earlier run, possibly on
 # another machine with the same GPU and packages), and save_cache, which packs the autotune results
-# and tilelang kernels into $OUT/$name.tar.gz for a later run (the kernels are dropped if the
-# archive would exceed 15 MB). With KCP_FAST_AUTOTUNE set, every Python process, torchrun's workers
-# included, trims fla's autotuning (megatron_kcp/testing/fast_autotune.py) before fla imports, and
-# the cache is another one (name tcache-fast, not tcache): trimmed winners must never reach a timed
-# run, since Triton reads autotune winners from the disk cache.
+# and tilelang kernels into $OUT/$name.tar.xz for a later run (the kernels are dropped if the
+# archive would exceed 15 MB, near what one file of $OUT may hold). xz, not gzip: tilelang's kernels
+# repeat their host wrappers, and xz's window finds the repeats (a quarter of gzip's size). With
+# KCP_FAST_AUTOTUNE set, every Python process, torchrun's workers included, trims fla's autotuning
+# (megatron_kcp/testing/fast_autotune.py) before fla imports, and the cache is another one (name
+# tcache-fast, not tcache): trimmed winners must never reach a timed run, since Triton reads autotune
+# winners from the disk cache.
 name=tcache${KCP_FAST_AUTOTUNE:+-fast}
 export TRITON_CACHE_DIR=/tmp/$name/triton TILELANG_CACHE_DIR=/tmp/$name/tilelang
 mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
 # scripts started side by side unpack once (the lock), not over each other
-[ -f ".tcache/$name.tar.gz" ] && flock "/tmp/$name.lock" tar --skip-old-files -xzf ".tcache/$name.tar.gz" -C "/tmp/$name"
+[ -f ".tcache/$name.tar.xz" ] && flock "/tmp/$name.lock" tar --skip-old-files -xJf ".tcache/$name.tar.xz" -C "/tmp/$name"
 mkdir -p /tmp/kcp-site
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from megatron_kcp.testing.fast_autotune import enable\n    enable()\n' \
   > /tmp/kcp-site/sitecustomize.py
 export PYTHONPATH="/tmp/kcp-site:$PWD:${PYTHONPATH:-}"
 
 save_cache() {
-  (cd "/tmp/$name" && { find triton -name '*.autotune.json'; echo tilelang; } | tar -czf "$OUT/$name.tar.gz" -T -)
-  if [ "$(stat -c %s "$OUT/$name.tar.gz")" -gt 15000000 ]; then
-    (cd "/tmp/$name" && find triton -name '*.autotune.json' | tar -czf "$OUT/$name.tar.gz" -T -)
+  (cd "/tmp/$name" && { find triton -name '*.autotune.json'; echo tilelang; } | tar -cJf "$OUT/$name.tar.xz" -T -)
+  if [ "$(stat -c %s "$OUT/$name.tar.xz")" -gt 15000000 ]; then
+    echo "save_cache: over 15 MB with tilelang's kernels; $OUT/$name.tar.xz keeps the autotune results only" >&2
+    (cd "/tmp/$name" && find triton -name '*.autotune.json' | tar -cJf "$OUT/$name.tar.xz" -T -)
   fi
 }

@@ -12,7 +12,7 @@
 # Correctness runs use the tests' cheap autotuning (megatron_kcp/testing/fast_autotune.py); the
 # suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores.
 # Triton's autotune results (small JSON files) and tilelang's compiled kernels are packed into
-# $OUT/tcache.tar.gz: copied to .tcache/tcache.tar.gz in the checkout, they spare a later run compiling.
+# $OUT/tcache-fast.tar.xz: copied to .tcache/tcache-fast.tar.xz in the checkout, they spare a later run compiling.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
 export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
@@ -34,9 +34,9 @@ suite ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]" &
 suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
 suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
 suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
-suite layout_mixers tests/layers/test_layout.py -k "on_gpu and mixer" &
-suite layout_block_gdn tests/layers/test_layout.py -k "on_gpu and block-gdn" &
-suite layout_block_kda tests/layers/test_layout.py -k "on_gpu and block-kda" &
+suite layout_mixers tests/layers/test_layout.py -k "equals_cp1_on_gpu and mixer" &
+suite layout_block_gdn tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-gdn" &
+suite layout_block_kda tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-kda" &
 suite graph tests/ops/test_kcp_cuda.py -k replays &
 [ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
   t0=$SECONDS

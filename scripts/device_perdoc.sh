@@ -19,7 +19,7 @@
 # Every process's output and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
-# results and tilelang's kernels are packed into $OUT/tcache.tar.gz (copy it to .tcache/ for the next run;
+# results and tilelang's kernels are packed into $OUT/tcache.tar.xz (copy it to .tcache/ for the next run;
 # check its size first: over 15 MB the kernels are left out of it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1

@@ -299,4 +299,5 @@ def test_device_perdoc_walks_every_stage_on_the_cpu(tmp_path):
         rows = (tmp_path / f"{name}.csv").read_text().splitlines()
         assert rows[0].startswith(("model,", "level,")) and rows.count(rows[0]) == 1, name    # one header
         assert len(rows) > processes, name
+    assert (tmp_path / "tcache.tar.xz").is_file()     # the kernel cache for the next run
     assert len(list(tmp_path.iterdir())) <= 8        # what comes back from a device call's $OUT

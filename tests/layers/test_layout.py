@@ -173,6 +173,16 @@ def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
     spawn(_cases, 2, model, what, (1, 10, 100), True, GPU)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("what", ["mixer", "block"])
+def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
+    """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    spawn(_cases, 4, model, what, (1, 300), True, GPU)
+
+
 def _conversions_follow_the_pattern():
     """The block converts once into and once out of each run of linear layers, and never around attention."""
     from megatron.core.process_groups_config import ProcessGroupCollection
