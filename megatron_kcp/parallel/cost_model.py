@@ -40,9 +40,9 @@ CONVERT_ENV = "KCP_CONVERT"
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 # the relay's pipeline: starting values, not fitted (measure before trusting the choice)
 GROUP_COST = 30e-6         # s a head group adds per direction: its launches, messages and host work
-# value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter: on one
-# 128k sequence at W = 2 (KDA, relay_groups_fla_h200x1.csv) two groups of 16 heads and two of 32 each
-# lost a quarter to a third of the step to one group
+# value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
+# groups of 16 heads, and two of 32, lost to one group on one long sequence (BENCHMARKS.md, the relay's
+# head groups on fla's core)
 MIN_GROUP_HEADS = 64
 
 
