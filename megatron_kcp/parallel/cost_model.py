@@ -38,8 +38,8 @@ ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 HOP, HOP_HEAD = 37e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
-# the relay's pipeline: starting values, not fitted (measure before trusting the choice)
-GROUP_COST = 30e-6         # s a head group adds per direction: its launches, messages and host work
+# the relay's pipeline over head groups
+GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
 # value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
 # groups of 16 heads, and two of 32, lost to one group on one long sequence (BENCHMARKS.md, the relay's
 # head groups on fla's core)
