@@ -62,9 +62,10 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     chunk a rank's pieces differently from the whole stream and round differently, and a weight
     gradient summed over tokens (the gate's ``A_log``) can cancel down to that rounding; so both runs
     are measured against the same modules in fp64 on the CPU (the block's weight gradients pooled by
-    kind, ``_pooled``), and CP's error may not exceed 1.5x the one-device error (plus ``shape.tol`` / 100); a weight gradient, a sum over tokens, may also reach
-    ``shape.tol`` / 10, the kernels' fp32 rounding of such sums: the one-device run's own errors reach
-    it, and where the crossing document's chunk grid moves, CP draws that rounding afresh. The output
+    kind, ``_pooled``), and CP's error may not exceed 1.5x the one-device error (plus ``shape.tol`` /
+    100); a weight gradient, a sum over tokens, may also reach ``shape.tol`` / 10, the kernels' fp32
+    rounding of such sums: the one-device run's own errors reach it, and where the crossing
+    document's chunk grid moves, CP draws that rounding afresh. The output
     and input gradient keep the tight bound, so the off-by-one control, which moves the block's output
     only a little (the residual stream carries most of it), still misses by 10x."""
     import dataclasses
