@@ -3,7 +3,7 @@
 # another machine with the same GPU and packages), and save_cache, which packs the autotune results
 # and tilelang kernels into $OUT/$name.tar.xz for a later run (the kernels are dropped if the
 # archive would exceed 15 MB, near what one file of $OUT may hold). xz, not gzip: tilelang's kernels
-# repeat their host wrappers, and xz's window finds the repeats (a quarter of gzip's size). With
+# repeat their host wrappers, and xz's window finds the repeats that gzip's cannot. With
 # KCP_FAST_AUTOTUNE set, every Python process, torchrun's workers included, trims fla's autotuning
 # (megatron_kcp/testing/fast_autotune.py) before fla imports, and the cache is another one (name
 # tcache-fast, not tcache): trimmed winners must never reach a timed run, since Triton reads autotune
