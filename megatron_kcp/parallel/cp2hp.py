@@ -1,7 +1,7 @@
 """cp2hp: megatron-core GatedDeltaNet's CP scheme as a strategy, the peer KCP is measured against.
 
 One all-to-all of [q|k|v|g|beta] from sequence shards to head shards (each rank: the whole stream,
-H/W heads), the core's single-device call, one all-to-all of o back; backward runs the same two in
+H/W q/k heads and HV/W value heads, as megatron-core splits grouped heads), the core's single-device call, one all-to-all of o back; backward runs the same two in
 reverse. Under any layout: the all-to-all delivers the W shards in rank order and every rank's plan
 gives their tokens' stream positions. It gives the KDA mixer (megatron-core has no KDA module) the
 same peer as megatron-core's GatedDeltaNet.
@@ -19,10 +19,10 @@ from megatron_kcp.parallel.strategy import ExchangeStrategy
 
 def check_cp2hp(heads: int, value_heads: int, world_size: int, initial_state=None) -> None:
     """What the all-to-all to head shards needs, with the fix (also called by the mixers at construction)."""
-    if heads != value_heads or heads % world_size:
-        raise ValueError(f"strategy 'cp2hp' splits the heads over the CP ranks: it needs as many q/k as v heads "
-                         f"(got {heads} and {value_heads}) and a head count divisible by the CP size {world_size}; "
-                         "change the heads or the CP size, or use a KCP strategy (auto, relay, gather)")
+    if heads % world_size or value_heads % world_size:
+        raise ValueError(f"strategy 'cp2hp' splits the heads over the CP ranks: it needs q/k and v head counts "
+                         f"divisible by the CP size {world_size} (got {heads} and {value_heads}); change the heads "
+                         "or the CP size, or use a KCP strategy (auto, relay, gather)")
     if initial_state is not None:
         raise ValueError("strategy 'cp2hp' takes no initial_state: use a KCP strategy (auto, relay, gather)")
 
@@ -53,35 +53,39 @@ class CP2HP(ExchangeStrategy):
 
     def apply(self, core, q, k, v, g, beta, plan, group, *, scale, initial_state, use_qk_l2norm):
         order = token_order(plan, q.device)
-        W, (_, Tl, H, _), gdn = order.W, q.shape, g.dim() == 3
+        W, Tl, HV, gdn = order.W, q.shape[1], v.shape[2], g.dim() == 3
         q, k, v, g, beta = SeqToHeads.apply(order, group, q, k, v, g[..., None] if gdn else g, beta[..., None])
         o = core.single_device(q, k, v, g[..., 0] if gdn else g, beta[..., 0], scale=scale, initial_state=None,
                                use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=order.cu,
-                               cu_seqlens_cpu=order.cu_cpu)[0]                       # [T, H/W, V]
-        o = o.index_select(0, order.pos).view(W, Tl, H // W, -1)
-        return AllToAll.apply(o, group).transpose(0, 1).reshape(1, Tl, H, -1)
+                               cu_seqlens_cpu=order.cu_cpu)[0]                       # [T, HV/W, V]
+        o = o.index_select(0, order.pos).view(W, Tl, HV // W, -1)
+        return AllToAll.apply(o, group).transpose(0, 1).reshape(1, Tl, HV, -1)
 
 
 def to_heads(order: TokenOrder, group, xs):
-    """[1, T/W, H, d_i] (this rank's tokens, all heads) -> [1, T, H/W, d_i] (all tokens, my heads)."""
-    W, (_, Tl, H, _), wire = order.W, xs[0].shape, xs[0].dtype
-    bits = [x[0] if x.dtype == wire else x[0].view(wire) for x in xs]
-    y = torch.cat([x.reshape(Tl, W, H // W, -1) for x in bits], -1).transpose(0, 1)       # [W, T/W, H/W, D]
-    y = all_to_all(y, group).flatten(0, 1).index_select(0, order.inv)
-    return [t.contiguous().view(x.dtype)[None] for t, x in zip(y.split([b.shape[-1] for b in bits], -1), xs)]
+    """[1, T/W, H_i, d_i] (this rank's tokens, all heads) -> [1, T, H_i/W, d_i] (all tokens, my heads),
+    each input split by its own head count (q and k may have fewer heads than v, g and beta), in one
+    all-to-all: every rank's share of every input side by side in a row."""
+    W, Tl, wire = order.W, xs[0].shape[1], xs[0].dtype
+    bits = [x[0] if x.dtype == wire else x[0].view(wire) for x in xs]                      # [T/W, H_i, d_i]
+    y = torch.cat([x.reshape(Tl, W, -1) for x in bits], -1).transpose(0, 1)               # [W, T/W, D]
+    y = all_to_all(y, group).flatten(0, 1).index_select(0, order.inv)                     # [T, D]
+    parts = y.split([b[0].numel() // W for b in bits], -1)
+    return [t.reshape(len(t), b.shape[1] // W, -1).contiguous().view(x.dtype)[None]
+            for t, b, x in zip(parts, bits, xs)]
 
 
 def to_seq(order: TokenOrder, group, grads, meta):
-    """The way back, for the gradients: [1, T, H/W, d_i] -> [1, T/W, H, d_i]; ``meta`` holds the
+    """The way back, for the gradients: [1, T, H_i/W, d_i] -> [1, T/W, H_i, d_i]; ``meta`` holds the
     inputs' (shape, dtype), the first one's dtype being the wire's."""
-    W, (_, Tl, H, _), wire = order.W, meta[0][0], meta[0][1]
-    bits = [(d if d is not None else torch.zeros(1, Tl * W, H // W, s[-1], dtype=t, device=order.pos.device))[0]
+    W, Tl, wire = order.W, meta[0][0][1], meta[0][1]
+    bits = [(d if d is not None else torch.zeros(1, Tl * W, s[2] // W, s[3], dtype=t, device=order.pos.device))[0]
             for d, (s, t) in zip(grads, meta)]
-    bits = [d if d.dtype == wire else d.view(wire) for d in bits]
-    y = torch.cat(bits, -1).index_select(0, order.pos).view(W, Tl, H // W, -1)
-    y = all_to_all(y, group).transpose(0, 1)                                          # [T/W, W, H/W, D]
-    return [t.reshape(Tl, H, -1).contiguous().view(dt)[None]
-            for t, (_, dt) in zip(y.split([b.shape[-1] for b in bits], -1), meta)]
+    bits = [(d if d.dtype == wire else d.view(wire)).reshape(Tl * W, -1) for d in bits]
+    y = torch.cat(bits, -1).index_select(0, order.pos).view(W, Tl, -1)
+    y = all_to_all(y, group).transpose(0, 1)                                              # [T/W, W, D]
+    return [t.reshape(Tl, s[2], -1).contiguous().view(dt)[None]
+            for t, (s, dt) in zip(y.split([b.shape[1] for b in bits], -1), meta)]
 
 
 class SeqToHeads(torch.autograd.Function):

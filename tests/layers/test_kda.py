@@ -27,7 +27,7 @@ def _cp2hp_tp2_cp2():
     """The cp2hp peer of the KDA mixer (``cp2hp_kda_hybrid_layer_spec``): the same function; heads it
     cannot split fail at construction."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    compare_tp_cp("kda", replace(CPU, heads=(4, 4)), 2, strategy="cp2hp")     # cp2hp: as many q/k as v heads
+    compare_tp_cp("kda", replace(CPU, heads=(4, 4)), 2, strategy="cp2hp")     # cp2hp: heads divisible by TP x CP
     with pytest.raises(ValueError, match="divisible by the CP size 2"):
         build("kda", config("kda", CPU, 2, 2, linear_num_key_heads=2, linear_num_value_heads=2),
               ProcessGroupCollection.use_mpu_process_groups(), strategy="cp2hp")

@@ -152,9 +152,10 @@ def _cp2hp_cases(layouts):
             gen = torch.Generator().manual_seed(5)
             for kind in ("random", "single", "tiny"):
                 cu = random_cu_seqlens(gen, layout, W, kind)
-                xs = random_inputs(gen, cu[-1], len(cu) - 1, W, W, 8, 6, kda)[:5]
-                errs = compare_with_oracle(cu, xs, None, layout, "cp2hp", kind != "tiny", group, seed=1)
-                assert max(errs.values()) <= TOL, f"cp2hp {layout} {kind} kda={kda} cu={cu}: {errs}"
+                for H, HV in ((W, W), (W, 2 * W)):        # grouped heads (fewer q/k than v), as Qwen3-Next
+                    xs = random_inputs(gen, cu[-1], len(cu) - 1, H, HV, 8, 6, kda)[:5]
+                    errs = compare_with_oracle(cu, xs, None, layout, "cp2hp", kind != "tiny", group, seed=1)
+                    assert max(errs.values()) <= TOL, f"cp2hp {layout} {kind} kda={kda} H={H} HV={HV} cu={cu}: {errs}"
             cu = long_memory_cu(gen, W, piece=48)
             xs = long_memory_inputs(gen, cu, W, W, 16, 8, kda)
             errs = compare_with_oracle(cu, xs, None, layout, "cp2hp", True, group, 2)
