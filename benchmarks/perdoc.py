@@ -263,34 +263,44 @@ def attention_core(s: Shape, cu, dtype, dev, args) -> float:
     return timed(fwd_bwd(fn, [q, k, v], do), args)
 
 
-def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev, args) -> float:
-    """Seconds (fwd+bwd) of the mixer (``what`` = mixer) or the 4-layer hybrid block (block) at CP=1 on
-    ``tokens`` tokens with every gated delta rule and the attention core stubbed: the work that scales
-    with a rank's tokens whatever the CP scheme."""
+def module(s: Shape, what: str, dtype, dev, cp: int = 1, pg=None, layer_spec=None, cls=None, **options):
+    """The mixer (``what`` = mixer) or the 4-layer hybrid block (block: layers 1-3 linear, layer 4 softmax
+    attention) of shape ``s`` at CP = ``cp`` over ``pg`` (default: Megatron's groups), Megatron's local
+    layers, seeded: every call with the same arguments builds the same weights. ``layer_spec`` replaces
+    the block's hybrid spec, ``cls`` the GDN mixer's class; ``options`` go to the KDA mixer."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_kcp import spec
-    from megatron_kcp.layers.attention import CPDotProductAttention
-    from megatron_kcp.ops import kcp
     from megatron_kcp.testing.layers import Shape as LShape
     from megatron_kcp.testing.layers import build, config
     m = s.model.lower()
-    ls = LShape(hidden=s.hidden, heads=(s.H, s.HV), head_dim=s.K, seq=tokens, batch=1, device=dev.type)
+    ls = LShape(hidden=s.hidden, heads=(s.H, s.HV), head_dim=s.K, batch=1, device=dev.type)
     kw = dict(bf16=True, params_dtype=torch.bfloat16) if dtype == torch.bfloat16 else {}
     kw["use_cpu_initialization"] = dev.type == "cpu"
     if s.model == "KDA":
         kw["kda_gate_rank"] = s.K
-    pg = ProcessGroupCollection.use_mpu_process_groups()
+    pg = pg or ProcessGroupCollection.use_mpu_process_groups()
     if what == "mixer":
-        mod = build(m, config(m, ls, **kw), pg, dev.type)
-    else:
-        hq, hkv, d = s.attn
-        cfg = config(m, ls, num_layers=4, linear_attention_freq=4, num_attention_heads=hq, num_query_groups=hkv,
-                     kv_channels=d, ffn_hidden_size=4 * s.hidden, hidden_dropout=0.0, attention_dropout=0.0, **kw)
-        mod = TransformerBlock(cfg, spec.kda_hybrid_layer_spec if m == "kda" else spec.gdn_hybrid_layer_spec,
-                               pg_collection=pg).to(dev)
-    mod = mod.to(dtype)
+        return build(m, config(m, ls, cp, **kw), pg, dev.type, cls=cls, **options).to(dtype)
+    hq, hkv, d = s.attn
+    cfg = config(m, ls, cp, num_layers=4, linear_attention_freq=4, num_attention_heads=hq, num_query_groups=hkv,
+                 kv_channels=d, ffn_hidden_size=4 * s.hidden, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    torch.manual_seed(0)
+    if dev.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(0)
+    layer_spec = layer_spec or (spec.kda_hybrid_layer_spec if m == "kda" else spec.gdn_hybrid_layer_spec)
+    return TransformerBlock(cfg, layer_spec, pg_collection=pg).to(dev).to(dtype)
+
+
+def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev, args) -> float:
+    """Seconds (fwd+bwd) of the mixer (``what`` = mixer) or the 4-layer hybrid block (block) at CP=1 on
+    ``tokens`` tokens with every gated delta rule and the attention core stubbed: the work that scales
+    with a rank's tokens whatever the CP scheme."""
+    from megatron_kcp.layers.attention import CPDotProductAttention
+    from megatron_kcp.ops import kcp
+    mod = module(s, what, dtype, dev)
     x = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype, requires_grad=True)
     dy = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype)
 
@@ -446,18 +456,7 @@ def main(argv=None):
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = getattr(torch, args.dtype)
     init_megatron(dev)
-    columns = list(COLUMNS) + ["source"]
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            csv.DictWriter(f, columns).writeheader()
-
-    def write(row):
-        print(" ".join(f"{row.get(c, '')}" if not isinstance(row.get(c), float) else f"{row[c]:.4g}"
-                       for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "ms", "eff", "x_cp2hp",
-                                 "note")), flush=True)
-        if args.csv:
-            with open(args.csv, "a", newline="") as f:
-                csv.DictWriter(f, columns, extrasaction="ignore").writerow(row)
+    write = row_writer(args.csv)
     for name, s in shapes.items():
         for T in args.tokens:
             for docs in args.docs:
@@ -469,6 +468,24 @@ def main(argv=None):
                                    note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
+
+
+def row_writer(path):
+    """write(row): prints the row's main columns and appends it to the CSV at ``path`` (bench_ops.py's
+    columns and ``source``), whose header it writes first."""
+    columns = list(COLUMNS) + ["source"]
+    if path:
+        with open(path, "w", newline="") as f:
+            csv.DictWriter(f, columns).writeheader()
+
+    def write(row):
+        print(" ".join(f"{row.get(c, '')}" if not isinstance(row.get(c), float) else f"{row[c]:.4g}"
+                       for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "ms", "eff", "x_cp2hp",
+                                 "err", "note")), flush=True)
+        if path:
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, columns, extrasaction="ignore").writerow(row)
+    return write
 
 
 def init_megatron(dev):

@@ -273,6 +273,32 @@ def test_perdoc_smoke_writes_every_method(tmp_path):
     assert ("mixer", "kcp") in methods
 
 
+def test_perdoc_measured_smoke_runs_every_method_as_the_same_function(tmp_path):
+    """perdoc_measured.py --smoke (2 gloo ranks): every method of every level a measured row that computes
+    what the one-device run computes; Megatron-LM dev's block moves the hidden states around each of its
+    three linear layers, ours once around the run."""
+    path = tmp_path / "measured.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert all(r["source"] == "measured" for r in rows), rows
+    cpu_na = {(r["level"], r["method"], r["model"]) for r in rows if r["note"].startswith("n/a on the CPU")}
+    assert cpu_na == {("mixer", "cp2hp", "GDN"), ("block", "cp2hp", "GDN")}, cpu_na
+    timed = [r for r in rows if r["ms"]]
+    assert all(float(r["err"]) < 1e-6 for r in timed), [(r["level"], r["method"], r["err"]) for r in timed]
+    modules = {(lv, m) for lv in ("mixer", "block") for m in ("noCP", "mlm-chunkwise", "kcp-noconvert", "kcp")}
+    for model in ("GDN", "KDA"):
+        for docs in ("single", "varlen"):
+            got = {(r["level"], r["method"]) for r in timed if r["model"] == model and r["docs"] == docs}
+            assert len([m for level, m in got if level == "ops"]) == 7 and modules <= got, got   # flash-qla: GPU
+    note = {(r["model"], r["docs"], r["level"], r["method"]): r["note"] for r in timed}
+    assert note["GDN", "varlen", "block", "mlm-chunkwise"].endswith("6 hidden-state all-to-alls a forward")
+    block = note["GDN", "varlen", "block", "kcp"]
+    assert block.startswith("contiguous") and block.endswith("; 2 hidden-state all-to-alls a forward"), block
+    assert note["KDA", "varlen", "mixer", "kcp-noconvert"] == "0 hidden-state all-to-alls a forward"
+
+
 def test_host_time_smoke_writes_every_rank(tmp_path):
     """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU)."""
     path = tmp_path / "host.csv"

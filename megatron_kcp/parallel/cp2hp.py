@@ -1,10 +1,11 @@
 """cp2hp: megatron-core GatedDeltaNet's CP scheme as a strategy, the peer KCP is measured against.
 
 One all-to-all of [q|k|v|g|beta] from sequence shards to head shards (each rank: the whole stream,
-H/W q/k heads and HV/W value heads, as megatron-core splits grouped heads), the core's single-device call, one all-to-all of o back; backward runs the same two in
-reverse. Under any layout: the all-to-all delivers the W shards in rank order and every rank's plan
-gives their tokens' stream positions. It gives the KDA mixer (megatron-core has no KDA module) the
-same peer as megatron-core's GatedDeltaNet.
+H/W q/k heads and HV/W value heads, as megatron-core splits grouped heads), the core's single-device
+call, one all-to-all of o back; backward runs the same two in reverse. Under any layout: the
+all-to-all delivers the W shards in rank order and every rank's plan gives their tokens' stream
+positions. It gives the KDA mixer (megatron-core has no KDA module) the same peer as megatron-core's
+GatedDeltaNet.
 """
 from __future__ import annotations
 

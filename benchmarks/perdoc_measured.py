@@ -1,0 +1,421 @@
+"""Packed documents and one long sequence on W GPUs, measured: op, mixer and hybrid-block level.
+
+    python benchmarks/perdoc_measured.py --shapes qwen3-next kimi-linear --tokens 32768 \\
+        --csv benchmarks/results/perdoc_h200x2.csv                 # W = every GPU, one rank each (NCCL)
+    python benchmarks/perdoc_measured.py --docs single --levels ops --shapes qwen3-next qwen3-next-tp2 h64-gdn \\
+        kimi-linear --tokens 32768 131072 --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp \\
+        --csv benchmarks/results/single_h200x2.csv
+    python benchmarks/perdoc_measured.py --smoke                    # CPU, 2 gloo ranks, tiny: checks the script
+
+The cases and methods of ``perdoc.py`` (which predicts them from one GPU), run for real: every rank on
+its own GPU, the collectives over NCCL, Megatron's per-document zigzag of a THD pack (``--docs``: one
+sequence, 10, 100 or 300 documents, each a multiple of 2W tokens), fwd+bwd, the median over
+``--iters`` of the slowest rank after ``--warmup`` untimed calls (``source`` = measured). Every
+method computes the same function: ``err`` is its largest relative error (output, input gradients)
+against the one-device run's rows.
+
+* ops: the gated delta rule on this rank's rows of q, k, v, g, beta. ``noCP`` / ``noCP-qla``: fla's /
+  flash-qla's call on the whole pack (every rank); ``cp2hp`` / ``cp2hp-qla``: megatron-core's
+  all-to-all to head shards around either call (``megatron_kcp/parallel/cp2hp.py``); ``mlm-chunkwise``:
+  Megatron-LM dev's scheme, an all-to-all of the op's inputs to the contiguous layout, fla's CP call
+  (``build_cp_context``) and back; ``fla-cp``: fla's CP call on the same documents fed contiguous;
+  ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
+  default, its pick in ``note``).
+* mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
+  ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
+  ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
+  ``mlm-chunkwise``: our mixer moving its hidden states to the contiguous layout and back (two
+  all-to-alls a pass), with fla's CP call as its core; ``kcp-noconvert``, ``kcp``: ours.
+* block: Megatron's ``TransformerBlock`` of the hybrid spec (layers 1-3 linear, layer 4 softmax
+  attention); ``cp2hp`` (``-qla``) on ``cp2hp_*_hybrid_layer_spec``; ``mlm-chunkwise`` moves the hidden
+  states around every linear layer (Megatron-LM dev's per-layer conversion) with fla's CP call as the
+  core; ``kcp`` moves them once per run of linear layers where the cost model says so.
+
+The mixer and block rows share the one-device rows' weights. ``--smoke`` (CPU, reference core): fla's
+CP call is stood in by ours on the contiguous plan, and flash-qla's rows are left out; it checks the
+script, not a measurement. ``--budget`` skips the cases left once it is spent.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import perdoc  # noqa: E402
+from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, rel_err, spawn  # noqa: E402
+from benchmarks.timing import Bench  # noqa: E402
+from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
+
+LEVELS = ("ops", "mixer", "block")
+QLA = ("noCP-qla", "cp2hp-qla")
+
+
+@contextlib.contextmanager
+def env(**values):
+    """Environment variables for one method's build and run (``None``: unset)."""
+    with mock.patch.dict(os.environ):
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+
+
+def method_env(method: str) -> dict:
+    """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, and our overrides."""
+    return {"FLA_FLASH_QLA": "1" if method in QLA else "0",
+            "KCP_CONVERT": "0" if method == "kcp-noconvert" else "1" if method == "mlm-chunkwise" else None,
+            "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None}
+
+
+def fla_cp_rule(model: str, device, smoke: bool):
+    """``gated_delta_rule(q, k, v, g, beta, plan, group, **kw)`` as fla's CP call on a contiguous plan (the
+    core of Megatron-LM dev's scheme), one ``build_cp_context`` per plan; on the CPU (``smoke``) our op
+    on that plan stands in."""
+    from megatron_kcp.ops import kcp
+    if smoke:
+        ours = kcp.gated_delta_rule         # taken before the mixers' calls are patched to this rule
+
+        def rule(q, k, v, g, beta, plan, group=None, **kw):
+            assert plan.layout == "contiguous", plan.layout
+            return ours(q, k, v, g, beta, plan, group, use_qk_l2norm=True, backend="reference")
+        return rule
+    from fla.ops.cp import build_cp_context
+
+    from benchmarks.ops import chunk_kernel
+    kernel = chunk_kernel(model, device)
+
+    @functools.lru_cache(maxsize=8)
+    def context(plan, group):
+        cu = plan.global_cu_seqlens
+        return build_cp_context(torch.tensor(cu, device=device), group=group, cu_seqlens_cpu=torch.tensor(cu),
+                                layout="contiguous")
+
+    def rule(q, k, v, g, beta, plan, group=None, **kw):
+        if plan.layout != "contiguous":
+            raise ValueError(f"fla's CP call runs the contiguous layout, got {plan.layout}")
+        return kernel(q, k, v, g, beta, cp_context=context(plan, group))
+    return rule
+
+
+class Case:
+    """One (shape, tokens, documents) on this rank: the global inputs (the same on every rank), this
+    rank's rows, and the rows written so far (eff and x_cp2hp are read from them)."""
+
+    def __init__(self, b: Bench, s: perdoc.Shape, T: int, docs: str, write):
+        self.b, self.s, self.T, self.docs, self.write = b, s, T, docs, write
+        W, dev = b.W, b.device
+        self.cu = cu_seqlens(docs, T, pad=2 * W)
+        self.plans = {lay: build_plan(self.cu, lay, W, b.rank, CONV) for lay in ("zigzag_per_doc", "contiguous")}
+        self.index = {lay: local_token_index(p).to(dev) for lay, p in self.plans.items()}
+        self.base = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, head_dim=s.K,
+                         dtype=str(b.dtype).split(".")[-1], source="measured", **{"pass": "fwd+bwd"})
+        self.rows = {}
+
+    def emit(self, level, method, width, ms, err, note="", layout=None):
+        """Rank 0 writes the row; eff and x_cp2hp against this level's noCP and cp2hp rows."""
+        self.rows[level, method] = ms
+        nocp, cp2hp = self.rows.get((level, "noCP")), self.rows.get((level, "cp2hp"))
+        row = dict(self.base, level=level, method=method, W=width, ms=ms, err=err, note=note,
+                   layout=layout or ("-" if width == 1 else "zigzag_per_doc"),
+                   eff=nocp / (width * ms) if nocp and width > 1 else 1.0 if width == 1 else "",
+                   x_cp2hp=cp2hp / ms if cp2hp and width > 1 else "")
+        if self.b.rank == 0:
+            self.write(row)
+
+    def skip(self, level, method, why):
+        if self.b.rank == 0:
+            self.write(dict(self.base, level=level, method=method, W=self.b.W, note=why))
+
+    def timed(self, level, method, width, step, out, ref, note="", layout=None):
+        """Time ``step`` (one fwd+bwd returning its results), after checking ``out`` (its first results)
+        against ``ref`` (the one-device run's, in this rank's rows)."""
+        err = self.b.max_over_ranks([max(rel_err(a, r) for a, r in zip(out, ref))])[0]
+        ms, _ = self.b.measure(step)
+        self.emit(level, method, width, ms, err, note, layout)
+
+
+def run_method(c: Case, level: str, method: str, fn):
+    """``fn()`` builds and times one method; a method that fails (out of memory, a peer refusing the
+    shape) writes its error and leaves the others."""
+    if method in QLA and importlib.util.find_spec("flash_qla") is None:
+        c.skip(level, method, "n/a: flash-qla is not installed (pip install flash-qla==0.1.3)")
+        return
+    try:
+        with env(**method_env(method)):
+            fn()
+    except Exception as e:  # noqa: BLE001 - one method failing must not lose the others
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        c.skip(level, method, f"error: {type(e).__name__}: {first}")
+    finally:
+        if c.b.cuda:
+            torch.cuda.empty_cache()
+
+
+def ops_level(c: Case, args):
+    """The op's methods on this rank's rows (``fla-cp``: the contiguous layout's rows)."""
+    from benchmarks.ops import chunk_kernel, cp2hp, flash_qla_call
+    from megatron_kcp.ops import dispatch, kcp
+    b, s, cu = c.b, c.s, c.cu
+    xs, do = perdoc.inputs(s, c.T, b.dtype, b.device, seed=c.T + b.W)
+    cu_dev, cu_cpu = torch.tensor(cu, device=b.device), torch.tensor(cu)
+    kernel = chunk_kernel(s.model, b.device)
+    ref_leaves = fresh_leaves(xs)
+    with env(FLA_FLASH_QLA="0"):
+        o = kernel(*ref_leaves, cu_dev, cu_cpu)
+        ref = [o.detach(), *torch.autograd.grad(o, ref_leaves, do)]
+    del o, ref_leaves
+
+    def rows(layout):
+        return lambda t: t if layout is None else t[:, c.index[layout]]
+
+    def run(method, fn, layout, width, note=""):
+        pick = rows(layout)
+        leaves, dl = fresh_leaves(pick(x) for x in xs), pick(do).contiguous()
+
+        def step():
+            out = fn(*leaves)
+            out = out[0] if isinstance(out, tuple) else out
+            return [out.detach(), *torch.autograd.grad(out, leaves, dl)]
+        note = note(c.plans[layout or "zigzag_per_doc"]) if callable(note) else note
+        c.timed("ops", method, width, step, step(), [pick(r) for r in ref], note,
+                "contiguous" if layout == "contiguous" else None)
+
+    def ours(p, *x):
+        return kcp.gated_delta_rule(*x, p, dist.group.WORLD, use_qk_l2norm=True, backend=args.backend)
+
+    def pick_note(p):
+        return dispatch.decide(p, xs[0], xs[2], xs[3], args.backend).describe()
+    zpd = c.plans["zigzag_per_doc"]
+    qla = s.model == "GDN" and b.cuda
+    methods = {
+        "noCP": lambda: run("noCP", lambda *x: kernel(*x, cu_dev, cu_cpu), None, 1),
+        "noCP-qla": lambda: run("noCP-qla", flash_qla_call(cu_dev), None, 1, "flash-qla's call"),
+        "cp2hp": lambda: run("cp2hp", cp2hp(kernel, zpd, dist.group.WORLD), "zigzag_per_doc", b.W, "fla's kernels"),
+        "cp2hp-qla": lambda: run("cp2hp-qla", cp2hp(first(flash_qla_call(cu_dev)), zpd, dist.group.WORLD),
+                                 "zigzag_per_doc", b.W, perdoc.CP2HP_QLA),
+        "mlm-chunkwise": lambda: run("mlm-chunkwise", mlm_op(c, s.model, args.smoke), "zigzag_per_doc", b.W,
+                                     "fla CP, the op's inputs converted"),
+        "fla-cp": lambda: run("fla-cp", functools.partial(fla_cp_rule(s.model, b.device, args.smoke),
+                                                          plan=c.plans["contiguous"], group=dist.group.WORLD),
+                              "contiguous", b.W, "fla CP, contiguous input"),
+        "kcp-noconvert": lambda: run("kcp-noconvert", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
+                                       pick_note),
+        "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+    }
+    for method in args.methods:
+        if method not in QLA or qla:
+            run_method(c, "ops", method, methods[method])
+
+
+def first(fn):
+    """``fn`` returning only the first of its results (flash-qla's call returns (o, final state))."""
+    return lambda *x: fn(*x)[0]
+
+
+def mlm_op(c: Case, model: str, smoke: bool):
+    """Megatron-LM dev's scheme at op level: q, k, v, g, beta moved to the contiguous layout, fla's CP
+    call there, o moved back."""
+    from megatron_kcp.parallel.relayout import relayout
+    rule, cu, group = fla_cp_rule(model, c.b.device, smoke), c.cu, dist.group.WORLD
+
+    def step(*x):
+        x = [t[None] for t in relayout([t[0] for t in x], cu, "zigzag_per_doc", "contiguous", group)]
+        o = rule(*x, plan=c.plans["contiguous"], group=group)
+        return relayout([o[0]], cu, "contiguous", "zigzag_per_doc", group)[0][None]
+    return step
+
+
+def module_level(c: Case, args, what: str, solo):
+    """The mixer's or the block's methods on this rank's rows of the hidden states, with the weights of
+    the one-device module."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_kcp import spec
+    from megatron_kcp.layers import layout
+    from megatron_kcp.ops import kcp
+    b, s, cu = c.b, c.s, c.cu
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=b.device)
+    longest = max(q - p for p, q in zip(cu, cu[1:]))
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cu_t,
+                          cu_seqlens_kv_padded=cu_t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    gen = torch.Generator(device=b.device).manual_seed(c.T + 1)
+    x, dy = (torch.randn(c.T, 1, s.hidden, generator=gen, device=b.device, dtype=b.dtype) for _ in range(2))
+    gdn = s.model == "GDN"
+    with env(FLA_FLASH_QLA="0"):
+        ref_mod = perdoc.module(s, what, b.dtype, b.device, 1, solo)
+    move = layout.move
+    weights = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ref_mod.state_dict().items()}
+    ref = None
+
+    def run(method, width, make, patches=(), note=""):
+        nonlocal ref
+        mod = ref_mod if width == 1 else make()
+        mod.load_state_dict(weights)
+        note = note(mod) if callable(note) else note
+        idx = None if width == 1 else c.index["zigzag_per_doc"]
+        leaf = (x if idx is None else x[idx]).clone().requires_grad_()
+        dyl = dy if idx is None else dy[idx]
+
+        def step():
+            with contextlib.ExitStack() as stack:
+                for p in patches:
+                    stack.enter_context(p)
+                out = mod(leaf, None, packed_seq_params=thd) if what == "block" else \
+                    mod(leaf, packed_seq_params=thd)[0]
+                return [out.detach(), *torch.autograd.grad(out, [leaf], dyl)]
+        moves = []
+        with mock.patch.object(layout, "move", lambda *a: moves.append(a[2:4]) or move(*a)):
+            first = step()
+        if ref is None:
+            ref = first
+        want = ref if idx is None else [r[idx] for r in ref]
+        if width > 1 and method != "cp2hp":
+            note = f"{note}{'; ' if note else ''}{len(moves)} hidden-state all-to-alls a forward"
+        c.timed(what, method, width, step, first, want, note)
+
+    def cp_module(**kw):
+        return lambda: perdoc.module(s, what, b.dtype, b.device, b.W, **kw)
+
+    mlm = [mock.patch.object(kcp, "gated_delta_rule", fla_cp_rule(s.model, b.device, args.smoke))]
+    if what == "block":        # every linear layer its own run: the hidden states move around each
+        mlm.append(mock.patch.object(layout, "run_of", lambda config, n: (n, n)))
+    cp2hp = (dict(layer_spec=spec.cp2hp_gdn_hybrid_layer_spec if gdn else spec.cp2hp_kda_hybrid_layer_spec)
+             if what == "block" else dict(cls=GatedDeltaNet) if gdn else dict(strategy="cp2hp"))
+    methods = {
+        "noCP": lambda: run("noCP", 1, None, note="fla's call" if b.cuda else ""),
+        "noCP-qla": lambda: run("noCP-qla", 1, None, note="flash-qla's call (fla hands it GDN)"),
+        "cp2hp": lambda: run("cp2hp", b.W, cp_module(**cp2hp), note="megatron-core's GatedDeltaNet" if gdn else
+                             "KDA mixer, strategy cp2hp"),
+        "cp2hp-qla": lambda: run("cp2hp-qla", b.W, cp_module(**cp2hp), note=perdoc.CP2HP_QLA),
+        # the block is built inside the patch: a layer reads its run at construction
+        "mlm-chunkwise": lambda: run("mlm-chunkwise", b.W, lambda: _built_with(mlm[1:], cp_module()), mlm,
+                                     "fla CP, hidden states converted per layer"),
+        "kcp-noconvert": lambda: run("kcp-noconvert", b.W, cp_module()),
+        "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
+    }
+    for method in args.methods:
+        if method in ("fla-cp", "kcp-unpipelined") or method in QLA and not (gdn and b.cuda):
+            continue                           # op level only; flash-qla: GDN on a GPU
+        if what == "mixer" and method == "cp2hp" and gdn and not b.cuda:
+            c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "
+                   "kernels only")
+            continue
+        if method == "cp2hp" and what == "block" and gdn and not b.cuda:
+            c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "
+                   "kernels only")
+            continue
+        run_method(c, what, method, methods[method])
+
+
+def _built_with(patches, make):
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        return make()
+
+
+def kcp_note(c: Case, mod, what: str) -> str:
+    """The default's pick at mixer or block level: the hidden states' layout (the cost model's, for the
+    mixer alone or the block's run of three linear layers) and the op's decision there."""
+    from megatron_kcp.layers.layout import converts
+    from megatron_kcp.ops import dispatch
+    s, b = c.s, c.b
+    moved = converts(mod.config, c.cu, b.W, 1, 3 if what == "block" else 1)
+    plan = c.plans["contiguous" if moved else "zigzag_per_doc"]
+    like = dict(device=b.device, dtype=b.dtype)
+    q, v = torch.empty(1, 1, s.H, s.K, **like), torch.empty(1, 1, s.HV, s.K, **like)
+    g = torch.empty(1, 1, s.HV, *((s.K,) if s.model == "KDA" else ()), device=b.device)
+    pick = dispatch.decide(plan, q, v, g).describe()
+    return f"{'contiguous' if moved else 'zigzag_per_doc'} ({pick})"
+
+
+def worker(rank, W, port, args, shapes):
+    from megatron.core import parallel_state as ps
+
+    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp.testing.layers import solo_pg
+    b = Bench(args, init_rank(rank, W, port, args.device), W, rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // W))
+    megatron_cpu.enable()
+    ps.initialize_model_parallel(context_parallel_size=W)
+    if b.cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(0)
+    solo = solo_pg()
+    write = perdoc.row_writer(args.csv) if rank == 0 else None
+    try:
+        for s in shapes.values():
+            for T in args.tokens:
+                for docs in args.docs:
+                    c = Case(b, s, T, docs, write)
+                    if b.out_of_time():
+                        c.skip("-", "-", "skipped: --budget spent")
+                        continue
+                    if "ops" in args.levels:
+                        ops_level(c, args)
+                    for what in ("mixer", "block"):
+                        if what in args.levels and s.hidden:
+                            module_level(c, args, what, solo)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--shapes", nargs="+", choices=list(perdoc.SHAPES), default=["qwen3-next", "kimi-linear"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768])
+    p.add_argument("--docs", nargs="+", choices=perdoc.DOCS, default=list(perdoc.DOCS))
+    p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    p.add_argument("--methods", nargs="+", choices=perdoc.METHODS, default=list(perdoc.METHODS))
+    p.add_argument("--cp", type=int, default=None, help="CP size W (default: the number of GPUs)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto",
+                   help="the core of our op-level rows (auto: the default's pick)")
+    p.add_argument("--budget", type=float, default=None, help="seconds; cases left after it are skipped")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, reference core, tiny sizes")
+    args = p.parse_args(argv)
+    if "noCP" not in args.methods:
+        args.methods.insert(0, "noCP")       # the reference every row's err and eff are read against
+    args.methods = [m for m in perdoc.METHODS if m in args.methods]
+    if args.smoke:
+        args.tokens, args.warmup, args.iters, args.dtype, args.device = [256], 0, 1, "float32", "cpu"
+        args.docs = [d for d in args.docs if d in ("single", "varlen")] or ["varlen"]   # 100 documents need more tokens
+        args.shapes = [n for n in args.shapes if n in perdoc.TINY] or list(perdoc.TINY)
+        args.backend, W = "auto", args.cp or 2
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        shapes = {n: perdoc.TINY[n] for n in args.shapes}
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
+        args.device, W = "cuda", args.cp or torch.cuda.device_count()
+        if W < 2 or W > torch.cuda.device_count():
+            raise SystemExit(f"--cp {W}: a measured run needs 2 or more GPUs, one a rank (found "
+                             f"{torch.cuda.device_count()}); benchmarks/perdoc.py predicts W >= 2 from one GPU")
+        shapes = {n: perdoc.SHAPES[n] for n in args.shapes}
+    args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)
+    spawn(worker, W, args, shapes)
+
+
+if __name__ == "__main__":
+    main()
