@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The packed-document and one-sequence tables predicted from one GPU (issues #27, #28), run from the repo root:
 #   bash scripts/device_perdoc.sh
-# Needs: one CUDA GPU and, importable, fla-core 0.6.0, megatron-core 0.19.x, on Hopper with Triton < 3.7.1
-# tilelang, and flash-qla 0.1.3 for the GDN rows on its kernels (e.g. `pip install -e ".[qla]" tilelang`);
+#   KCP_PERDOC_STAGES="x2-gdn x2-kda x2-single" bash scripts/device_perdoc.sh     # measured, on two GPUs
+# Needs: one CUDA GPU (the x2 stages: two or more) and, importable, fla-core 0.6.0, megatron-core 0.19.x, on
+# Hopper with Triton < 3.7.1 tilelang, and flash-qla 0.1.3 for the GDN rows on its kernels (e.g. `pip install -e ".[qla]" tilelang`);
 # the script installs nothing.
 # Stages (KCP_PERDOC_STAGES, default "split single perdoc128k scale kda"), in that order. Each stage runs one
 # process per shape (and per length where lengths differ a lot), each under its own time limit
@@ -16,6 +17,12 @@
 #   perdoc128k  perdoc.py, 1 to 300 documents at 128k tokens, W = 2, op, mixer and block level  perdoc128k.csv
 #   scale       perdoc.py, op level, 128k tokens, W = 4, 8, 16 and 64                           scale.csv
 #   kda         perdoc.py, Kimi-Linear KDA at 32k tokens, W = 2 (the current cost model)       kda32k.csv
+# On a machine of W >= 2 GPUs, the same tables measured (perdoc_measured.py: a rank a GPU, NCCL), not in the
+# default, a process per shape and document count:
+#   x2-gdn      Qwen3-Next GDN, 1 to 300 documents at 32k tokens, op, mixer and block level   perdoc_x2.csv
+#   x2-kda      Kimi-Linear KDA, the same                                                      perdoc_x2.csv
+#   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
+#               32k and 128k tokens                                                             single_x2.csv
 # Every process's output and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
@@ -74,7 +81,19 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
       done ;;
     kda)
       one kda32k kimi-linear benchmarks/perdoc.py --shapes kimi-linear --tokens 32768 --cp 2 ;;
-    *) echo "unknown stage $s (split single perdoc128k scale kda)" >&2; exit 2 ;;
+    x2-gdn|x2-kda)
+      sh=$([ "$s" = x2-gdn ] && echo qwen3-next || echo kimi-linear)
+      for d in single varlen varlen100 varlen300; do
+        one perdoc_x2 "$sh $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens 32768 --docs "$d"
+      done ;;
+    x2-single)
+      for T in 32768 131072; do
+        for sh in qwen3-next qwen3-next-tp2 h64-gdn kimi-linear; do
+          one single_x2 "$sh $T" benchmarks/perdoc_measured.py --docs single --levels ops --shapes "$sh" --tokens "$T" \
+            --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp
+        done
+      done ;;
+    *) echo "unknown stage $s (split single perdoc128k scale kda x2-gdn x2-kda x2-single)" >&2; exit 2 ;;
   esac
 done
 rm -f "$part"

@@ -327,3 +327,20 @@ def test_device_perdoc_walks_every_stage_on_the_cpu(tmp_path):
         assert len(rows) > processes, name
     assert (tmp_path / "tcache.tar.xz").is_file()     # the kernel cache for the next run
     assert len(list(tmp_path.iterdir())) <= 8        # what comes back from a device call's $OUT
+
+
+@pytest.mark.slow
+def test_device_perdoc_walks_the_measured_stages_on_the_cpu(tmp_path):
+    """The two-GPU stages of scripts/device_perdoc.sh with --smoke (two gloo ranks): a process per case,
+    each writing its measured rows."""
+    env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_EXTRA": "--smoke",
+           "KCP_PERDOC_STAGES": "x2-gdn x2-kda x2-single", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in (tmp_path / "log.txt").read_text().splitlines() if ": exit " in line]
+    assert len(lines) == 16 and all(": exit 0 " in line for line in lines), lines
+    for name in ("perdoc_x2", "single_x2"):
+        rows = list(csv.DictReader((tmp_path / f"{name}.csv").open()))
+        assert rows and all(r["source"] == "measured" for r in rows), name
+    assert len(list(tmp_path.iterdir())) <= 8
