@@ -20,7 +20,8 @@ against the one-device run's rows.
   Megatron-LM dev's scheme, an all-to-all of the op's inputs to the contiguous layout, fla's CP call
   (``build_cp_context``) and back; ``fla-cp``: fla's CP call on the same documents fed contiguous;
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
-  default, its pick in ``note``).
+  default, its pick in ``note``); ``kcp-graph`` (asked for by name): the default's step with its exchange
+  captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs).
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
   ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
   ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
@@ -59,6 +60,7 @@ from benchmarks.timing import Bench  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
+METHODS = (*perdoc.METHODS, "kcp-graph")      # kcp-graph: the default's step captured in a CUDA graph (ops)
 QLA = ("noCP-qla", "cp2hp-qla")
 
 
@@ -194,6 +196,21 @@ def ops_level(c: Case, args):
         c.timed("ops", method, width, step, step(), [pick(r) for r in ref], note,
                 "contiguous" if layout == "contiguous" else None)
 
+    def graphed(method, fn, layout, note):
+        """``fn`` on this rank's rows captured once in a CUDA graph (fwd+bwd), the replay timed."""
+        from megatron_kcp.testing.graphs import capture
+        if not b.cuda:
+            return c.skip("ops", method, "n/a on the CPU: CUDA graphs")
+        pick = rows(layout)
+        leaves, dl = fresh_leaves(pick(x) for x in xs), pick(do).contiguous()
+
+        def step():
+            out = fn(*leaves)
+            return [out.detach(), *torch.autograd.grad(out, leaves, dl)]
+        graph, outs = capture(step, warmup=max(1, args.warmup))
+        graph.replay()
+        c.timed("ops", method, b.W, graph.replay, outs, [pick(r) for r in ref], note(c.plans[layout]))
+
     def ours(p, *x):
         return kcp.gated_delta_rule(*x, p, dist.group.WORLD, use_qk_l2norm=True, backend=args.backend)
 
@@ -216,6 +233,8 @@ def ops_level(c: Case, args):
         "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
                                        pick_note),
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
+                                     lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
     }
     for method in args.methods:
         if method not in QLA or qla:
@@ -310,7 +329,7 @@ def module_level(c: Case, args, what: str, solo):
         "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
     }
     for method in args.methods:
-        if method in ("fla-cp", "kcp-unpipelined") or method in QLA and not (gdn and b.cuda):
+        if method in ("fla-cp", "kcp-unpipelined", "kcp-graph") or method in QLA and not (gdn and b.cuda):
             continue                           # op level only; flash-qla: GDN on a GPU
         if what == "mixer" and method == "cp2hp" and gdn and not b.cuda:
             c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "
@@ -384,7 +403,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
     p.add_argument("--docs", nargs="+", choices=perdoc.DOCS, default=list(perdoc.DOCS))
     p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
-    p.add_argument("--methods", nargs="+", choices=perdoc.METHODS, default=list(perdoc.METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(perdoc.METHODS))
     p.add_argument("--cp", type=int, default=None, help="CP size W (default: the number of GPUs)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
@@ -397,7 +416,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if "noCP" not in args.methods:
         args.methods.insert(0, "noCP")       # the reference every row's err and eff are read against
-    args.methods = [m for m in perdoc.METHODS if m in args.methods]
+    args.methods = [m for m in METHODS if m in args.methods]
     if args.smoke:
         args.tokens, args.warmup, args.iters, args.dtype, args.device = [256], 0, 1, "float32", "cpu"
         args.docs = [d for d in args.docs if d in ("single", "varlen")] or ["varlen"]   # 100 documents need more tokens

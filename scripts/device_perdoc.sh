@@ -22,7 +22,7 @@
 #   x2-gdn      Qwen3-Next GDN, 1 to 300 documents at 32k tokens, op, mixer and block level   perdoc_x2.csv
 #   x2-kda      Kimi-Linear KDA, the same                                                      perdoc_x2.csv
 #   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
-#               32k and 128k tokens                                                             single_x2.csv
+#               32k and 128k tokens, also our step captured in a CUDA graph (kcp-graph)         single_x2.csv
 # Every process's output and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
@@ -90,7 +90,7 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
       for T in 32768 131072; do
         for sh in qwen3-next qwen3-next-tp2 h64-gdn kimi-linear; do
           one single_x2 "$sh $T" benchmarks/perdoc_measured.py --docs single --levels ops --shapes "$sh" --tokens "$T" \
-            --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp
+            --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp kcp-graph
         done
       done ;;
     *) echo "unknown stage $s (split single perdoc128k scale kda x2-gdn x2-kda x2-single)" >&2; exit 2 ;;

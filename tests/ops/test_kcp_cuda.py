@@ -538,3 +538,52 @@ def test_rank_step_replays_from_a_cuda_graph(backend, kda, max_segment):
         eager = step()
         for name, a, b in zip(NAMES, captured, eager):     # a stale replay (the first inputs') misses by O(1)
             assert rel_err(a, b) < 1e-3, (rank, name, rel_err(a, b))     # bound: kernels' atomic sums in bf16
+
+
+def _graph_over_nccl(cases):
+    """One 8k sequence in Megatron's zigzag, each rank's fwd+bwd with its real exchange (NCCL)
+    captured in a CUDA graph: a replay on new inputs equals the eager step on them."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_kcp.environment import qla_runs
+    from megatron_kcp.testing.graphs import capture
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    cu = (0, 8192)
+    plan = build_plan(cu, "zigzag", W, r, KS)
+    for backend, kda, max_segment in cases:
+        if backend == "qla" and not qla_runs(torch.device("cuda"), torch.bfloat16, kda, (K, V)):
+            continue
+        gen = torch.Generator().manual_seed(7)
+        data = [shard(plan, *random_inputs(gen, cu[-1], 1, H, HV, K, V, kda, torch.bfloat16, "cuda")[:5],
+                      torch.randn(1, cu[-1], HV, V, generator=gen).to("cuda", torch.bfloat16)) for _ in range(2)]
+        leaves = [x.clone().requires_grad_() for x in data[0][:5]]
+        dout = data[0][5].clone()
+
+        def step():
+            o = kcp.gated_delta_rule(*leaves, plan, group, use_qk_l2norm=True, backend=backend,
+                                     max_segment=max_segment)
+            return [o.detach(), *torch.autograd.grad(o, leaves, dout)]
+        graph, captured = capture(step, warmup=2)
+        with torch.no_grad():
+            for t, x in zip([*leaves, dout], data[1]):
+                t.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        errs = torch.tensor([rel_err(a, b) for a, b in zip(captured, eager)], device="cuda", dtype=torch.float64)
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
+        what = dispatch.decide(plan, leaves[0], leaves[2], leaves[3], backend, max_segment=max_segment).describe()
+        line = (f"W={W} {'KDA' if kda else 'GDN'} ({what}): replay against eager " +
+                " ".join(f"{n}:{e:.1e}" for n, e in zip(NAMES, errs.tolist())))
+        if r == 0:
+            print(line, flush=True)
+        assert errs.max().item() < 1e-3, line     # a stale replay (the first inputs') misses by O(1)
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs: NCCL (gloo's collectives cannot be captured)")
+def test_cp_step_replays_from_a_cuda_graph_over_nccl():
+    """The op with its exchange over NCCL captured in a CUDA graph (relay; the all-gather of split
+    segments; fla's and flash-qla's cores), where a plan's documents stay fixed."""
+    spawn(_graph_over_nccl, 2, [("fla", False, 0), ("fla", False, 1024), ("fla", True, 0), ("qla", False, 0),
+                                ("qla", False, 1024)])
