@@ -12,6 +12,9 @@
 #   crash      CP=2, checkpoints every 20 steps, every process SIGKILLed once step 30 is logged (mid-step 31)
 #   restart    the crash command again with --load: resumes at step 20 and runs to 40
 #   fp32_cp1, fp32_cp2   cp1 and cp2 in fp32 (--fp32)
+#   keep, convert, fp32_keep, fp32_convert   cp2 with the linear layers kept in Megatron's layout
+#              (KCP_CONVERT=0) and moved to the contiguous one (KCP_CONVERT=1), bf16 and fp32, 100 steps
+#              (not in the default chains: KCP_TRAIN_CHAINS="gdn:keep,convert,fp32_keep,fp32_convert kda:...")
 # KCP_TRAIN_CHAINS lists chains "model:run,run,..." (default: every run of both models, one chain
 # per model); chains run side by side, the runs of a chain one after another (resume after cp2,
 # restart after crash). Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py
@@ -60,6 +63,11 @@ run() {   # model port name
       --load "$ckpt/$m-crash" ;;
     fp32_cp1) train "$m" fp32_cp1 "$p" --fp32 --cp 1 -- "${common[@]}" --train-iters 100 ;;
     fp32_cp2) train "$m" fp32_cp2 "$p" --fp32 --cp 2 -- "${common[@]}" --train-iters 100 ;;
+    keep|convert|fp32_keep|fp32_convert)
+      local fp32=() on=0
+      [[ $n == fp32_* ]] && fp32=(--fp32)
+      [[ $n == *convert ]] && on=1
+      (export KCP_CONVERT=$on; train "$m" "$n" "$p" "${fp32[@]}" --cp 2 -- "${common[@]}" --train-iters 100) ;;
     *) echo "$m $n: unknown run" >> "$OUT/summary.txt" ;;
   esac
 }
@@ -92,6 +100,11 @@ for m in gdn kda; do
     --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 > "$OUT/${m}_parity.txt" 2>&1
   [ -f "$OUT/${m}_fp32_cp1.jsonl" ] && python scripts/loss_parity.py "$OUT/${m}_fp32_cp2.jsonl" \
     --reference "$OUT/${m}_fp32_cp1.jsonl" --tol 1e-3 > "$OUT/${m}_parity_fp32.txt" 2>&1
+  # the layout conversion: the converted run against the one kept in Megatron's layout
+  [ -f "$OUT/${m}_keep.jsonl" ] && python scripts/loss_parity.py "$OUT/${m}_convert.jsonl" \
+    --reference "$OUT/${m}_keep.jsonl" --tol 2e-2 > "$OUT/${m}_parity_convert.txt" 2>&1
+  [ -f "$OUT/${m}_fp32_keep.jsonl" ] && python scripts/loss_parity.py "$OUT/${m}_fp32_convert.jsonl" \
+    --reference "$OUT/${m}_fp32_keep.jsonl" --tol 1e-3 > "$OUT/${m}_parity_convert_fp32.txt" 2>&1
 done
 save_cache
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt ./*.jsonl)

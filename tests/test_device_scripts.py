@@ -27,7 +27,7 @@ start = int(opt("--ckpt-step") or open(os.path.join(load, "latest")).read()) if 
 for step in range(start + 1, iters + 1):
     time.sleep(0.05)          # the script's killer polls every 0.25 s: steps 31-40 must outlast that
     with open(log, "a") as f:
-        f.write(json.dumps({"step": step, "loss": 10.0 / step}) + "\\n")
+        f.write(json.dumps({"step": step, "loss": 10.0 / step, "convert": os.environ.get("KCP_CONVERT")}) + "\\n")
     if save and step % every == 0:
         os.makedirs(save, exist_ok=True)
         open(os.path.join(save, "latest"), "w").write(str(step))
@@ -74,6 +74,16 @@ def test_training_checks_chosen_chains(tmp_path):
     runs = sorted(line.split(":")[0] for line in files["summary.txt"].splitlines())
     assert runs == ["gdn dp1", "kda cp2", "kda resume"], files["summary.txt"]
     assert "kda_resume: steps 51-100" in files["kda_parity.txt"]
+
+
+def test_training_checks_layout_conversion_runs(tmp_path):
+    """The conversion's parity runs: CP = 2 with KCP_CONVERT=0 and =1, bf16 and fp32, each pair compared."""
+    files = _run(tmp_path, 600, chains="gdn:keep,convert,fp32_keep,fp32_convert")
+    for run, on in (("keep", "0"), ("convert", "1"), ("fp32_keep", "0"), ("fp32_convert", "1")):
+        assert f"gdn {run}: exit 0" in files["summary.txt"], files["summary.txt"]
+        assert f'"convert": "{on}"' in files[f"gdn_{run}.jsonl"].splitlines()[0]
+    assert "gdn_convert: steps 1-100" in files["gdn_parity_convert.txt"]
+    assert "gdn_fp32_convert: steps 1-100" in files["gdn_parity_convert_fp32.txt"]
 
 
 def test_training_checks_time_budget(tmp_path):
