@@ -23,6 +23,8 @@
 #   x2-kda      Kimi-Linear KDA, the same                                                      perdoc_x2.csv
 #   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
 #               32k and 128k tokens, also our step captured in a CUDA graph (kcp-graph)         single_x2.csv
+# The x2 stages take a part of their cases for a shorter call: KCP_PERDOC_DOCS (x2-gdn, x2-kda: e.g. "varlen100
+# varlen300"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS (x2-single).
 # Every process's output and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
@@ -83,12 +85,12 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
       one kda32k kimi-linear benchmarks/perdoc.py --shapes kimi-linear --tokens 32768 --cp 2 ;;
     x2-gdn|x2-kda)
       sh=$([ "$s" = x2-gdn ] && echo qwen3-next || echo kimi-linear)
-      for d in single varlen varlen100 varlen300; do
+      for d in ${KCP_PERDOC_DOCS:-single varlen varlen100 varlen300}; do
         one perdoc_x2 "$sh $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens 32768 --docs "$d"
       done ;;
     x2-single)
-      for T in 32768 131072; do
-        for sh in qwen3-next qwen3-next-tp2 h64-gdn kimi-linear; do
+      for T in ${KCP_PERDOC_TOKENS:-32768 131072}; do
+        for sh in ${KCP_PERDOC_SHAPES:-qwen3-next qwen3-next-tp2 h64-gdn kimi-linear}; do
           one single_x2 "$sh $T" benchmarks/perdoc_measured.py --docs single --levels ops --shapes "$sh" --tokens "$T" \
             --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp kcp-graph
         done
