@@ -184,7 +184,9 @@ def ops_level(c: Case, args):
     def rows(layout):
         return lambda t: t if layout is None else t[:, c.index[layout]]
 
-    def run(method, fn, layout, width, note=""):
+    def fwd_bwd(fn, layout):
+        """(one fwd+bwd of ``fn`` on this rank's rows, returning the output and the input gradients; the
+        rows' picker)."""
         pick = rows(layout)
         leaves, dl = fresh_leaves(pick(x) for x in xs), pick(do).contiguous()
 
@@ -192,6 +194,10 @@ def ops_level(c: Case, args):
             out = fn(*leaves)
             out = out[0] if isinstance(out, tuple) else out
             return [out.detach(), *torch.autograd.grad(out, leaves, dl)]
+        return step, pick
+
+    def run(method, fn, layout, width, note=""):
+        step, pick = fwd_bwd(fn, layout)
         note = note(c.plans[layout or "zigzag_per_doc"]) if callable(note) else note
         c.timed("ops", method, width, step, step(), [pick(r) for r in ref], note,
                 "contiguous" if layout == "contiguous" else None)
@@ -201,12 +207,7 @@ def ops_level(c: Case, args):
         from megatron_kcp.testing.graphs import capture
         if not b.cuda:
             return c.skip("ops", method, "n/a on the CPU: CUDA graphs")
-        pick = rows(layout)
-        leaves, dl = fresh_leaves(pick(x) for x in xs), pick(do).contiguous()
-
-        def step():
-            out = fn(*leaves)
-            return [out.detach(), *torch.autograd.grad(out, leaves, dl)]
+        step, pick = fwd_bwd(fn, layout)
         graph, outs = capture(step, warmup=max(1, args.warmup))
         graph.replay()
         c.timed("ops", method, b.W, graph.replay, outs, [pick(r) for r in ref], note(c.plans[layout]))
