@@ -305,7 +305,7 @@ def module_level(c: Case, args, what: str, solo):
         if ref is None:
             ref = first
         want = ref if idx is None else [r[idx] for r in ref]
-        if width > 1 and method != "cp2hp":
+        if width > 1 and not method.startswith("cp2hp"):     # cp2hp moves q, k, v, g and beta instead
             note = f"{note}{'; ' if note else ''}{len(moves)} hidden-state all-to-alls a forward"
         c.timed(what, method, width, step, first, want, note)
 
@@ -332,15 +332,11 @@ def module_level(c: Case, args, what: str, solo):
     for method in args.methods:
         if method in ("fla-cp", "kcp-unpipelined", "kcp-graph") or method in QLA and not (gdn and b.cuda):
             continue                           # op level only; flash-qla: GDN on a GPU
-        if what == "mixer" and method == "cp2hp" and gdn and not b.cuda:
+        if method == "cp2hp" and gdn and not b.cuda:
             c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "
                    "kernels only")
-            continue
-        if method == "cp2hp" and what == "block" and gdn and not b.cuda:
-            c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "
-                   "kernels only")
-            continue
-        run_method(c, what, method, methods[method])
+        else:
+            run_method(c, what, method, methods[method])
 
 
 def _built_with(patches, make):
