@@ -3,8 +3,8 @@
 #   bash scripts/device_perdoc.sh
 #   KCP_PERDOC_STAGES="x2-gdn x2-kda x2-single" bash scripts/device_perdoc.sh     # measured, on two GPUs
 # Needs: one CUDA GPU (the x2 stages: two or more) and, importable, fla-core 0.6.0, megatron-core 0.19.x, on
-# Hopper with Triton < 3.7.1 tilelang, and flash-qla 0.1.3 for the GDN rows on its kernels (e.g. `pip install -e ".[qla]" tilelang`);
-# the script installs nothing.
+# Hopper with Triton < 3.7.1 tilelang, and flash-qla 0.1.3 for the GDN rows on its kernels (e.g.
+# `pip install -e ".[qla]" tilelang`); the script installs nothing.
 # Stages (KCP_PERDOC_STAGES, default "split single perdoc128k scale kda"), in that order. Each stage runs one
 # process per shape (and per length where lengths differ a lot), each under its own time limit
 # (KCP_PERDOC_LIMIT seconds, default 240), and appends its rows to the stage's CSV: a shape's first case
