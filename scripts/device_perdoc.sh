@@ -7,8 +7,9 @@
 # `pip install -e ".[qla]" tilelang`); the script installs nothing.
 # Stages (KCP_PERDOC_STAGES, default "split single perdoc128k scale kda"), in that order. Each stage runs one
 # process per shape (and per length where lengths differ a lot), each under its own time limit
-# (KCP_PERDOC_LIMIT seconds, default 240), and appends its rows to the stage's CSV: a shape's first case
-# compiles and tunes its kernels for minutes, and a process cut short loses only its own case.
+# (KCP_PERDOC_LIMIT seconds, default 240; none past KCP_PERDOC_UNTIL, epoch seconds, where set: a device
+# call's end), and appends its rows to the stage's CSV, a case cut short its rows so far: a shape's first
+# case compiles and tunes its kernels for minutes.
 #   split       host_time.py: one 32k and one 128k sequence, Qwen3-Next GDN (32 heads a rank) and H = 64 at
 #               W = 2, flash-qla's segments whole (--max-segment 0) and split into 4096-token parts  split.csv
 #   single      perdoc.py, one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, Kimi-Linear KDA, H = 64,
@@ -42,7 +43,13 @@ one() {     # stage's CSV name, what the line names, script args...: one process
   local name=$1 what=$2; shift 2
   local t0=$SECONDS
   rm -f "$part"
-  timeout "$limit" python "$@" --csv "$part" "${extra[@]+"${extra[@]}"}" >> "$OUT/log.txt" 2>&1
+  local t=$limit
+  if [ -n "${KCP_PERDOC_UNTIL:-}" ]; then        # the call's end (epoch seconds): the last case is cut there
+    t=$((KCP_PERDOC_UNTIL - $(date +%s)))
+    [ "$t" -gt "$limit" ] && t=$limit
+    if [ "$t" -le 0 ]; then echo "$name $what: not started (KCP_PERDOC_UNTIL)" | tee -a "$OUT/log.txt"; return; fi
+  fi
+  timeout "$t" python "$@" --csv "$part" "${extra[@]+"${extra[@]}"}" >> "$OUT/log.txt" 2>&1
   local rc=$?
   if [ -s "$part" ]; then
     if [ -s "$OUT/$name.csv" ]; then tail -n +2 "$part" >> "$OUT/$name.csv"; else cp "$part" "$OUT/$name.csv"; fi
