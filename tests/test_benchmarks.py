@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,21 @@ def test_perdoc_measured_smoke_runs_every_method_as_the_same_function(tmp_path):
     assert note["KDA", "varlen", "mixer", "kcp-noconvert"] == "0 hidden-state all-to-alls a forward"
 
 
+def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
+    """A measured row over the error bound says so first in its note, with each result's error."""
+    import torch
+    from benchmarks import perdoc_measured as pm
+    rows = []
+    c = pm.Case.__new__(pm.Case)
+    c.b = types.SimpleNamespace(max_over_ranks=lambda v: v, measure=lambda step: (1.0, 0.0), rank=0, W=2)
+    c.write, c.rows, c.base = rows.append, {}, {}
+    y = torch.ones(4)
+    c.timed("mixer", "kcp", 2, None, [3 * y, y], [y, y], "contiguous")
+    c.timed("mixer", "kcp-noconvert", 2, None, [y, y], [y, y], "zigzag")
+    assert rows[0]["note"] == "WRONG: err over 0.05 (y 2.0e+00, dx 0.0e+00); contiguous", rows[0]
+    assert rows[1]["note"] == "zigzag" and rows[1]["err"] == 0.0, rows[1]
+
+
 def test_host_time_smoke_writes_every_rank(tmp_path):
     """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU)."""
     path = tmp_path / "host.csv"
@@ -327,6 +343,18 @@ def test_device_perdoc_walks_every_stage_on_the_cpu(tmp_path):
         assert len(rows) > processes, name
     assert (tmp_path / "tcache.tar.xz").is_file()     # the kernel cache for the next run
     assert len(list(tmp_path.iterdir())) <= 8        # what comes back from a device call's $OUT
+
+
+def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
+    """KCP_PERDOC_UNTIL (a device call's end) in the past: every case is named as not started, none runs."""
+    env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_STAGES": "x2-kda", "KCP_PERDOC_UNTIL": "1",
+           "KCP_PERDOC_DOCS": "varlen varlen100", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "log.txt").read_text().splitlines() == [
+        f"perdoc_x2 kimi-linear {d}: not started (KCP_PERDOC_UNTIL)" for d in ("varlen", "varlen100")]
+    assert not (tmp_path / "perdoc_x2.csv").exists()
 
 
 @pytest.mark.slow
