@@ -5,6 +5,7 @@ Ranks use NCCL when every rank has its own GPU, else gloo with ranks sharing GPU
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,12 +17,13 @@ from megatron_kcp.testing.layers import GPU, compare_tp_cp
 pytestmark = pytest.mark.gpu
 
 
-def _compare(model, tp, sequence_parallel):
+def _compare(model, tp, sequence_parallel, shape=GPU):
     from megatron.core import parallel_state as ps
-    errs = compare_tp_cp(model, GPU, tp, sequence_parallel)
+    errs = compare_tp_cp(model, shape, tp, sequence_parallel)
     if torch.distributed.get_rank() == 0:
         cp = ps.get_context_parallel_world_size()
-        line = (f"{model.upper()} mixer TP={tp} CP={cp}{' SP' if sequence_parallel else ''} vs TP=1 CP=1: "
+        sp = " SP" if sequence_parallel else ""
+        line = (f"{model.upper()} mixer T={shape.seq} TP={tp} CP={cp}{sp} vs TP=1 CP=1: "
                 + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()))
         print(line, flush=True)
         if os.environ.get("KCP_EVIDENCE_DIR"):
@@ -34,3 +36,15 @@ def _compare(model, tp, sequence_parallel):
 def test_mixer_on_gpu(model, world_size, tp, sp, monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_compare, world_size, model, tp, sp, tp=tp)
+
+
+# GPU's 1024 tokens give CP pieces of 256; a 32k sequence gives pieces of 8192, as the measured tables'
+# one-sequence rows run
+GPU_LONG = dataclasses.replace(GPU, seq=32768)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+def test_mixer_with_long_pieces_on_gpu(model, monkeypatch):
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    spawn(_compare, 2, model, 1, False, GPU_LONG)
