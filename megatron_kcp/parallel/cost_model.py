@@ -37,6 +37,11 @@ ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 # phase of launches, a state each way
 HOP, HOP_HEAD = 37e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
+# bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
+# buffer, put in place on arrival): fitted on perdoc_h200x2.csv's measured op rows, Megatron-LM dev's
+# scheme against fla's CP call on the same contiguous documents (W = 2, 32k tokens, 1 to 300 documents:
+# 0.41 GB a rank in 3.4 to 4.2 ms for GDN, 0.81 GB in 8.3 to 8.7 ms for KDA), a third of the link's BW
+CONVERT_BW = 100e9
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 # the relay's pipeline over head groups
 GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
@@ -98,9 +103,9 @@ def layout_cost(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads
 
 
 def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float) -> float:
-    """Seconds of the all-to-alls of a conversion: ``messages`` of them, moving ``bytes_per_token`` in
-    all per token of the stream (a rank keeps 1/W of its rows)."""
-    return messages * ALPHA + tokens / world_size * bytes_per_token * (world_size - 1) / world_size / BW
+    """Seconds of a conversion: ``messages`` all-to-alls, moving ``bytes_per_token`` in all per token of
+    the stream (a rank keeps 1/W of its rows) at ``CONVERT_BW``."""
+    return messages * ALPHA + tokens / world_size * bytes_per_token * (world_size - 1) / world_size / CONVERT_BW
 
 
 def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,

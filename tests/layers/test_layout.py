@@ -184,6 +184,39 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
     spawn(_cases, 4, model, what, (1, 300), True, GPU)
 
 
+def test_conversion_model_against_the_measured_steps(monkeypatch):
+    """Whether to convert, against what was measured on 2 GPUs (benchmarks/results/perdoc_h200x2.csv):
+    wherever both our converted step (the default's row, where it converted) and our step left on
+    Megatron's layout were timed, the model's pick is the faster one or within 5% of it, at op, mixer
+    and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents."""
+    import csv
+    from pathlib import Path
+
+    from benchmarks.common import cu_seqlens
+    from benchmarks.perdoc import SHAPES
+    from megatron_kcp.ops.dispatch import op_bytes_per_token
+    from megatron_kcp.parallel.cost_model import convert_pays
+    monkeypatch.delenv("KCP_CONVERT", raising=False)
+    steps = {}
+    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_h200x2.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
+            if r["ms"] and (r["method"] == "kcp-noconvert" or r["method"] == "kcp" and converted):
+                steps.setdefault((r["level"], r["model"], r["docs"], int(r["tokens"])), {})[converted] = float(r["ms"])
+    shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
+    picks = []
+    for (level, model, docs, T), ms in steps.items():
+        if len(ms) < 2:
+            continue
+        s, run = shape[model], {"ops": None, "mixer": 1, "block": 3}[level]
+        per_token, messages = ((op_bytes_per_token(s.HV, (s.K, s.K), model == "KDA", torch.bfloat16), 4) if run is None
+                               else (4 * s.hidden * 2 / run, 4 / run))
+        pick = convert_pays(cu_seqlens(docs, T, pad=4), "zigzag_per_doc", 2, s.HV, s.K, per_token, messages)
+        picks.append((level, model, docs, pick, ms[pick] / min(ms.values())))
+    assert len(picks) >= 20, picks
+    assert all(loss <= 1.05 for *_, loss in picks), [p for p in picks if p[-1] > 1.05]
+
+
 def _conversions_follow_the_pattern():
     """The block converts once into and once out of each run of linear layers, and never around attention."""
     from megatron.core.process_groups_config import ProcessGroupCollection
