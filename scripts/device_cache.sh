@@ -1,6 +1,9 @@
 # Sourced by the device_*.sh scripts: Triton's and tilelang's caches under /tmp/$name, seeded from
 # .tcache/$name.tar.xz when the checkout has one (a cache saved by an earlier run, possibly on
-# another machine with the same GPU and packages), and save_cache, which packs the autotune results
+# another machine with the same GPU and packages), else from scripts/tuning/$name-h200.tar.xz (fla's
+# full-autotuning winners of the measured 2 x H200 tables, 2026-11-26: the Qwen3-Next and
+# Kimi-Linear shapes at 32k tokens; Triton keys them by kernel, arguments and GPU architecture, sm_90
+# for an H100 too), and save_cache, which packs the autotune results
 # and tilelang kernels into $OUT/$name.tar.xz for a later run (the kernels are dropped if the
 # archive would exceed 15 MB, near what one file of $OUT may hold). xz, not gzip: tilelang's kernels
 # repeat their host wrappers, and xz's window finds the repeats that gzip's cannot. With
@@ -12,7 +15,9 @@ name=tcache${KCP_FAST_AUTOTUNE:+-fast}
 export TRITON_CACHE_DIR=/tmp/$name/triton TILELANG_CACHE_DIR=/tmp/$name/tilelang
 mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
 # scripts started side by side unpack once (the lock), not over each other
-[ -f ".tcache/$name.tar.xz" ] && flock "/tmp/$name.lock" tar --skip-old-files -xJf ".tcache/$name.tar.xz" -C "/tmp/$name"
+seed=.tcache/$name.tar.xz
+[ -f "$seed" ] || seed=scripts/tuning/$name-h200.tar.xz
+[ -f "$seed" ] && flock "/tmp/$name.lock" tar --skip-old-files -xJf "$seed" -C "/tmp/$name"
 mkdir -p /tmp/kcp-site
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from megatron_kcp.testing.fast_autotune import enable\n    enable()\n' \
   > /tmp/kcp-site/sitecustomize.py
