@@ -1,7 +1,7 @@
 # Sourced by the device_*.sh scripts: Triton's and tilelang's caches under /tmp/$name, seeded from
 # .tcache/$name.tar.xz when the checkout has one (a cache saved by an earlier run, possibly on
 # another machine with the same GPU and packages), else from scripts/tuning/$name-h200.tar.xz (fla's
-# full-autotuning winners of the measured 2 x H200 tables, 2026-11-26: the Qwen3-Next and
+# full-autotuning winners of the measured packed-document tables in BENCHMARKS.md: the Qwen3-Next and
 # Kimi-Linear shapes at 32k tokens; Triton keys them by kernel, arguments and GPU architecture, sm_90
 # for an H100 too), and save_cache, which packs the autotune results
 # and tilelang kernels into $OUT/$name.tar.xz for a later run (the kernels are dropped if the

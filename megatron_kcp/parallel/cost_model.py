@@ -38,9 +38,9 @@ ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 HOP, HOP_HEAD = 37e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
 # bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
-# buffer, put in place on arrival): fitted on perdoc_h200x2.csv's measured op rows, Megatron-LM dev's
-# scheme against fla's CP call on the same contiguous documents (W = 2, 32k tokens, 1 to 300 documents:
-# 0.41 GB a rank in 3.4 to 4.2 ms for GDN, 0.81 GB in 8.3 to 8.7 ms for KDA), a third of the link's BW
+# buffer, put in place on arrival), a third of the link's BW: fitted on the measured op rows of
+# benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
+# contiguous documents (BENCHMARKS.md, packed documents measured)
 CONVERT_BW = 100e9
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 # the relay's pipeline over head groups
