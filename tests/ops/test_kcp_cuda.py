@@ -166,7 +166,7 @@ def test_single_device_call_matches_reference(model, dtype):
 
 def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
     """fla's conv against the fp32 reference conv of the whole stream, every layout; with the halo
-    switched off it must miss. ``equal``: two sequences of 2W pieces of 96 tokens, 64 channels (local
+    switched off it must miss (long pieces: in fp32, by 10x the error with it). ``equal``: two sequences of 2W pieces of 96 tokens, 64 channels (local
     segments of one length: run as a batch of rows, with the halo as each row's initial state);
     ``single``, ``varlen``: one sequence and the ten documents of ``VARLEN_32K``, 32k tokens of 4096
     channels (Kimi-Linear's q, k or v conv), pieces of thousands of tokens on both of fla's paths."""
@@ -211,8 +211,10 @@ def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
         if r == 0:
             print(lines[-1], flush=True)
         assert max(errs) <= tol, lines[-1]
-        if crossing.item() and docs == "equal":     # long pieces: three tokens a piece are too few to see
+        if crossing.item() and docs == "equal":
             assert min(off[:2]) >= 10 * CONV_TOL, lines[-1]
+        elif crossing.item() and dtype == torch.float32:    # long pieces: three tokens of thousands a piece
+            assert min(off[:2]) >= 10 * max(*errs[:2], CONV_TOL / 100), lines[-1]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
