@@ -409,12 +409,11 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
         if "kcp-noconvert" in core:
             rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
         # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
-        from megatron_kcp.layers.layout import SOURCE
+        from megatron_kcp.layers.layout import SOURCE, run_traffic
         from megatron_kcp.parallel.cost_model import convert_pays
-        he = s.hidden * e
         if "kcp" not in want:
             pass
-        elif convert_pays(cu, SOURCE, W, s.HV, s.K, 4 * he / layers, 4 / layers) and "kcp-contiguous" in core:
+        elif convert_pays(cu, SOURCE, W, s.HV, s.K, *run_traffic(s.hidden * e, layers)) and "kcp-contiguous" in core:
             rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
                            f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
         elif "kcp-op" in core:

@@ -80,19 +80,25 @@ def hidden_bytes(config) -> int:
     return config.hidden_size * (torch.finfo(config.params_dtype).bits // 8)
 
 
+def run_traffic(hidden_bytes_per_token: float, run_length: int) -> tuple[float, float]:
+    """(bytes per token, all-to-alls) that each layer of a converted run of ``run_length`` linear layers
+    pays: the run moves its hidden states four times (in and out, forward and backward)."""
+    return 4 * hidden_bytes_per_token / run_length, 4 / run_length
+
+
 @functools.lru_cache(maxsize=256)
 def _converts(cu, cp, heads, head_dim, bytes_per_token, messages, forced) -> bool:
     return convert_pays(cu, SOURCE, cp, heads, head_dim, bytes_per_token, messages)
 
 
 def converts(config, cu: tuple[int, ...] | None, cp: int, tp: int, run_length: int) -> bool:
-    """Whether a run of ``run_length`` linear layers (1: a mixer on its own) runs in the contiguous layout:
-    four all-to-alls of the hidden states a run (in and out, forward and backward)."""
+    """Whether a run of ``run_length`` linear layers (1: a mixer on its own) runs in the contiguous layout
+    (what it moves: :func:`run_traffic`)."""
     if cu is None or cp == 1:
         return False
     heads = config.linear_num_value_heads // tp
-    return _converts(cu, cp, heads, config.linear_value_head_dim, 4 * hidden_bytes(config) / run_length,
-                     4 / run_length, os.environ.get(CONVERT_ENV))      # the override is part of the key
+    return _converts(cu, cp, heads, config.linear_value_head_dim, *run_traffic(hidden_bytes(config), run_length),
+                     os.environ.get(CONVERT_ENV))      # the override is part of the key
 
 
 def conversion_group(pg_collection, sequence_parallel: bool):

@@ -194,6 +194,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
 
     from benchmarks.common import cu_seqlens
     from benchmarks.perdoc import SHAPES
+    from megatron_kcp.layers.layout import run_traffic
     from megatron_kcp.ops.dispatch import op_bytes_per_token
     from megatron_kcp.parallel.cost_model import convert_pays
     monkeypatch.delenv("KCP_CONVERT", raising=False)
@@ -210,7 +211,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
             continue
         s, run = shape[model], {"ops": None, "mixer": 1, "block": 3}[level]
         per_token, messages = ((op_bytes_per_token(s.HV, (s.K, s.K), model == "KDA", torch.bfloat16), 4) if run is None
-                               else (4 * s.hidden * 2 / run, 4 / run))
+                               else run_traffic(s.hidden * 2, run))
         pick = convert_pays(cu_seqlens(docs, T, pad=4), "zigzag_per_doc", 2, s.HV, s.K, per_token, messages)
         picks.append((level, model, docs, pick, ms[pick] / min(ms.values())))
     assert len(picks) >= 20, picks
