@@ -35,6 +35,10 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
 unset KCP_FAST_AUTOTUNE
+if [[ -n "${KCP_PERDOC_UNTIL:-}" && ! "$KCP_PERDOC_UNTIL" =~ ^[0-9]+$ ]]; then
+  echo "KCP_PERDOC_UNTIL=$KCP_PERDOC_UNTIL: give the call's end in epoch seconds, e.g. \$((\$(date +%s) + 540))" >&2
+  exit 2
+fi
 source scripts/device_cache.sh
 limit="${KCP_PERDOC_LIMIT:-240}"
 read -r -a extra <<< "${KCP_PERDOC_EXTRA:-}"

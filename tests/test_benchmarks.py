@@ -355,6 +355,10 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
     assert (tmp_path / "log.txt").read_text().splitlines() == [
         f"perdoc_x2 kimi-linear {d}: not started (KCP_PERDOC_UNTIL)" for d in ("varlen", "varlen100")]
     assert not (tmp_path / "perdoc_x2.csv").exists()
+    env["KCP_PERDOC_UNTIL"] = "soon"
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "epoch seconds" in run.stderr, run.stderr
 
 
 @pytest.mark.slow
