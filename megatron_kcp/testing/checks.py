@@ -93,14 +93,26 @@ class NoExchange(StateExchange):
         return core.backward_rest(P, B), dh0
 
 
-def exchange_off(name="relay"):
-    """Swap in NoExchange for the strategy ``name`` and a zero conv halo (restored by the returned callable)."""
-    strategy, exchange = dispatch.STRATEGIES[name], halo.halo
-    dispatch.STRATEGIES[name] = NoExchange()
+def exchange_off(*names: str, conv_halo: bool = True):
+    """Swap in NoExchange for the strategies ``names`` (default ``relay``) and, with ``conv_halo``, a
+    zero conv halo; restored by the returned callable."""
+    saved = {n: dispatch.STRATEGIES[n] for n in names or ("relay",)}
+    restore_halo = halo_off() if conv_halo else (lambda: None)
+    dispatch.STRATEGIES.update({n: NoExchange() for n in saved})
+
+    def restore():
+        dispatch.STRATEGIES.update(saved)
+        restore_halo()
+    return restore
+
+
+def halo_off():
+    """Every conv piece reads a zero halo (restored by the returned callable)."""
+    exchange = halo.halo
     halo.halo = lambda x, plan, group: x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1])
 
     def restore():
-        dispatch.STRATEGIES[name], halo.halo = strategy, exchange
+        halo.halo = exchange
     return restore
 
 

@@ -2,6 +2,7 @@
 TP x CP vs TP=1 x CP=1 comparison itself (run inside ``megatron_kcp.testing.distributed.spawn`` ranks)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ CPU = Shape()
 # fla's kernels: head dim 128 as in the op tests; fp32 with 3xTF32 products, except GDN's dq/dk/dg
 # backward on Hopper, which is TF32 (TILELANG_FP32_TOL in tests/ops/test_kcp_cuda.py)
 GPU = Shape(hidden=256, heads=(4, 4), head_dim=128, seq=1024, batch=1, device="cuda", tol=3e-3)
+# the controls' gates: decay exp(-1e-3 softplus(.)) a token, so the state carried into a rank's piece
+# is a large part of its output (Megatron's initialisation, A in [1, 16], forgets within a few to tens of tokens)
+LONG_MEMORY_A_LOG = math.log(1e-3)
 
 
 def config(model: str, shape: Shape, cp: int = 1, tp: int = 1, **kw):
@@ -130,14 +134,23 @@ def reduced_grads(mod) -> dict:
     return grads
 
 
-def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = False, **options) -> dict:
+def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = False, control: bool = False,
+                  **options) -> dict:
     """The mixer at this spawn's TP x CP (built with ``options``) against TP=1 x CP=1 with the same
-    weights: output, input gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors."""
+    weights: output, input gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors.
+
+    ``control``: long-memory gates (:data:`LONG_MEMORY_A_LOG`), and the negative controls: the CP
+    mixer run again with its state exchange off, then with its conv halo off, must each miss the
+    output by at least 10x the bound (their errors are returned as ``y state off``, ``y halo off``).
+    The shape should then have documents that cross a rank edge in the layout the mixer runs."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     cp = ps.get_context_parallel_world_size()
     dev = shape.device
     ref = build(model, config(model, shape), solo_pg(), dev)
+    if control:
+        with torch.no_grad():
+            ref.A_log.fill_(LONG_MEMORY_A_LOG)
     for t in (*ref.parameters(), *ref.buffers()):   # one reference for all ranks: on GPU, Megatron initialises
         dist.broadcast(t.data, src=0)               # some weights from a CUDA RNG seeded by the TP rank
     gen = torch.Generator().manual_seed(1)
@@ -155,8 +168,23 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     y.backward(local_input(dy, sequence_parallel))
     grads = reduced_grads(mod)
     ref_grads = tp_shard(model, mod, {n: p.grad for n, p in ref.named_parameters()}, tp_rank, tp)
-    errs = {"y": rel_err(y, local_input(y_ref, sequence_parallel)),
-            "dx": rel_err(xl.grad, local_input(xr.grad, sequence_parallel))}
+    y_want = local_input(y_ref, sequence_parallel)
+    errs = {"y": rel_err(y, y_want), "dx": rel_err(xl.grad, local_input(xr.grad, sequence_parallel))}
     errs.update({"d" + n: rel_err(grads[n], ref_grads[n]) for n in grads})
     assert max(errs.values()) < shape.tol, errs
+    if control:
+        from megatron_kcp.testing.checks import STRATEGIES, exchange_off, halo_off
+        for what, switch in (("state", lambda: exchange_off(*STRATEGIES, conv_halo=False)), ("halo", halo_off)):
+            restore = switch()
+            try:
+                with torch.no_grad():
+                    miss = torch.tensor(rel_err(mod(xl)[0], y_want), dtype=torch.float64, device=dev)
+            finally:
+                restore()
+            # a rank whose pieces all start sequences misses nothing: the worst rank's
+            dist.all_reduce(miss, op=dist.ReduceOp.MAX, group=ps.get_context_parallel_group())
+            errs[f"y {what} off"] = miss.item()
+            assert miss.item() >= 10 * shape.tol, (f"with the {what} exchange off the mixer misses by "
+                                                   f"{miss.item():.1e}, under 10x the bound {shape.tol}: the test "
+                                                   "cannot see that exchange")
     return errs

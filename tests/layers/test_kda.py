@@ -1,6 +1,7 @@
 """The KCP KDA mixer on CPU ranks: TP x CP (x SP) equals TP=1 x CP=1, output and every gradient."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -8,9 +9,18 @@ import pytest
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.layers import CPU, build, compare_tp_cp, config
 
+# one sequence: in the contiguous layout the mixer runs, it crosses the rank edge
+ONE_SEQUENCE = replace(CPU, seq=128, batch=1)
+
 
 def test_kda_tp2_cp2_matches_tp1_cp1():
     spawn(compare_tp_cp, 4, "kda", CPU, 2, tp=2)
+
+
+def test_kda_cp2_carries_state_and_halo_across_ranks():
+    """One sequence over two ranks with long-memory gates: CP equals CP = 1, and with the state exchange
+    or the conv halo off the output misses by at least 10x the bound (the negative controls)."""
+    spawn(functools.partial(compare_tp_cp, control=True), 2, "kda", ONE_SEQUENCE, 1)
 
 
 @pytest.mark.slow
