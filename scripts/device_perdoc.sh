@@ -25,8 +25,10 @@
 #   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
 #               32k and 128k tokens, also our step captured in a CUDA graph (kcp-graph)         single_x2.csv
 # The x2 stages take a part of their cases for a shorter call: KCP_PERDOC_DOCS (x2-gdn, x2-kda: e.g. "varlen100
-# varlen300"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS (x2-single).
-# Every process's output and a line per process (exit status, seconds) go to log.txt.
+# varlen300"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS (x2-single). KCP_PERDOC_JOBS=N runs their cases in N
+# jobs side by side, each on its share of the machine's GPUs (4 GPUs, N = 2: two W = 2 jobs), each job taking
+# the next case when its last one ends; the other stages run first, one process at a time.
+# Every process's output (whole, once it ends) and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
 # results and tilelang's kernels are packed into $OUT/tcache.tar.xz (copy it to .tcache/ for the next run;
@@ -39,26 +41,54 @@ if [[ -n "${KCP_PERDOC_UNTIL:-}" && ! "$KCP_PERDOC_UNTIL" =~ ^[0-9]+$ ]]; then
   echo "KCP_PERDOC_UNTIL=$KCP_PERDOC_UNTIL: give the call's end in epoch seconds, e.g. \$((\$(date +%s) + 540))" >&2
   exit 2
 fi
+if [[ ! "${KCP_PERDOC_JOBS:-1}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "KCP_PERDOC_JOBS=$KCP_PERDOC_JOBS: give a number of jobs, e.g. 2 on a machine of 4 GPUs" >&2
+  exit 2
+fi
 source scripts/device_cache.sh
 limit="${KCP_PERDOC_LIMIT:-240}"
 read -r -a extra <<< "${KCP_PERDOC_EXTRA:-}"
-part="$(mktemp)"
 one() {     # stage's CSV name, what the line names, script args...: one process, its rows appended
   local name=$1 what=$2; shift 2
-  local t0=$SECONDS
-  rm -f "$part"
+  local t0=$SECONDS part log
   local t=$limit
   if [ -n "${KCP_PERDOC_UNTIL:-}" ]; then        # the call's end (epoch seconds): the last case is cut there
     t=$((KCP_PERDOC_UNTIL - $(date +%s)))
     [ "$t" -gt "$limit" ] && t=$limit
     if [ "$t" -le 0 ]; then echo "$name $what: not started (KCP_PERDOC_UNTIL)" | tee -a "$OUT/log.txt"; return; fi
   fi
-  timeout "$t" python "$@" --csv "$part" "${extra[@]+"${extra[@]}"}" >> "$OUT/log.txt" 2>&1
+  part="$(mktemp)" log="$(mktemp)"
+  timeout "$t" python "$@" --csv "$part" "${extra[@]+"${extra[@]}"}" > "$log" 2>&1
   local rc=$?
-  if [ -s "$part" ]; then
-    if [ -s "$OUT/$name.csv" ]; then tail -n +2 "$part" >> "$OUT/$name.csv"; else cp "$part" "$OUT/$name.csv"; fi
-  fi
-  echo "$name $what: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+  {   # jobs side by side append one at a time
+    flock 9
+    if [ -s "$part" ]; then
+      if [ -s "$OUT/$name.csv" ]; then tail -n +2 "$part" >> "$OUT/$name.csv"; else cat "$part" > "$OUT/$name.csv"; fi
+    fi
+    cat "$log" >> "$OUT/log.txt"
+    echo "$name $what: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+  } 9> "$OUT/.lock"
+  rm -f "$part" "$log"
+}
+queue=()    # the x2 stages' cases, run last by run_queue
+enqueue() { queue+=("$(printf '%q ' "$@")"); }
+run_queue() {   # the queued cases over KCP_PERDOC_JOBS jobs, each on its share of the GPUs
+  local n=${KCP_PERDOC_JOBS:-1} next="$OUT/.next" gpus=() j
+  [ ${#queue[@]} -eq 0 ] && return
+  [ "$n" -gt 1 ] && mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
+  echo 0 > "$next"
+  for ((j = 0; j < n; j++)); do
+    (
+      w=$(( ${#gpus[@]} / n ))
+      if [ "$w" -ge 1 ]; then export CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${gpus[*]:j*w:w}"); fi
+      while i=$(flock "$next" bash -c 'i=$(cat "$1"); echo $((i + 1)) > "$1"; echo "$i"' _ "$next") \
+          && [ "$i" -lt ${#queue[@]} ]; do
+        eval "one ${queue[i]}"
+      done
+    ) &
+  done
+  wait
+  rm -f "$next"
 }
 GDN="qwen3-next qwen3-next-tp2 h64-gdn"
 KDA="kimi-linear h64-kda"
@@ -97,17 +127,18 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
     x2-gdn|x2-kda)
       sh=$([ "$s" = x2-gdn ] && echo qwen3-next || echo kimi-linear)
       for d in ${KCP_PERDOC_DOCS:-single varlen varlen100 varlen300}; do
-        one perdoc_x2 "$sh $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens 32768 --docs "$d"
+        enqueue perdoc_x2 "$sh $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens 32768 --docs "$d"
       done ;;
     x2-single)
       for T in ${KCP_PERDOC_TOKENS:-32768 131072}; do
         for sh in ${KCP_PERDOC_SHAPES:-qwen3-next qwen3-next-tp2 h64-gdn kimi-linear}; do
-          one single_x2 "$sh $T" benchmarks/perdoc_measured.py --docs single --levels ops --shapes "$sh" --tokens "$T" \
+          enqueue single_x2 "$sh $T" benchmarks/perdoc_measured.py --docs single --levels ops --shapes "$sh" --tokens "$T" \
             --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp kcp-graph
         done
       done ;;
     *) echo "unknown stage $s (split single perdoc128k scale kda x2-gdn x2-kda x2-single)" >&2; exit 2 ;;
   esac
 done
-rm -f "$part"
+run_queue
+rm -f "$OUT/.lock"
 save_cache

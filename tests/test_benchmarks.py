@@ -359,13 +359,17 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "epoch seconds" in run.stderr, run.stderr
+    env.update(KCP_PERDOC_UNTIL="1", KCP_PERDOC_JOBS="two")
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "number of jobs" in run.stderr, run.stderr
 
 
 @pytest.mark.slow
 def test_device_perdoc_walks_the_measured_stages_on_the_cpu(tmp_path):
     """The two-GPU stages of scripts/device_perdoc.sh with --smoke (two gloo ranks): a process per case,
-    each writing its measured rows."""
-    env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_EXTRA": "--smoke",
+    each writing its measured rows, the cases spread over two jobs side by side (KCP_PERDOC_JOBS)."""
+    env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_EXTRA": "--smoke", "KCP_PERDOC_JOBS": "2",
            "KCP_PERDOC_STAGES": "x2-gdn x2-kda x2-single", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=1200)
@@ -375,4 +379,6 @@ def test_device_perdoc_walks_the_measured_stages_on_the_cpu(tmp_path):
     for name in ("perdoc_x2", "single_x2"):
         rows = list(csv.DictReader((tmp_path / f"{name}.csv").open()))
         assert rows and all(r["source"] == "measured" for r in rows), name
+        text = (tmp_path / f"{name}.csv").read_text().splitlines()
+        assert text.count(text[0]) == 1, name          # the jobs' rows appended under one header
     assert len(list(tmp_path.iterdir())) <= 8
