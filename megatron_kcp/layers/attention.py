@@ -8,11 +8,14 @@ K and V (one collective) over the CP group, puts the chunks in global order, and
 ``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
 end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
 the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads. A THD pack
-(Megatron's per-document zigzag) runs with a dense document-causal mask over the gathered pack.
+(Megatron's per-document zigzag) runs one such attention for each of the rank's pieces of each
+document, against that document's gathered keys: the documents' causal work, one call a piece.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import math
 
 import torch
@@ -132,30 +135,52 @@ class CPDotProductAttention(MegatronModule):
     def _packed(self, query, key, value, packed_seq_params):
         """A THD pack (Megatron squeezes its batch dim: ``[t, heads, d]``): each rank's tokens in Megatron's
         per-document zigzag (or all of them at CP = 1); each query attends to the keys of its own
-        document up to itself. Keys and values are all-gathered and the mask is built from every token's
-        document and stream position, so the cost is dense in the pack (a reference for the CPU and
-        tests; TE's attention is the fast one). Returns ``[t, 1, heads * d]``."""
+        document up to itself. Keys and values are all-gathered and put in stream order; each of this
+        rank's pieces of a document (two a document under the zigzag) then attends, lower-right causal,
+        to its document's keys up to the piece's end: the work of the documents' own causal attention,
+        one call a piece. Returns ``[t, 1, heads * d]``."""
         from megatron_kcp.layers.layout import thd_cu_seqlens
-        from megatron_kcp.parallel.plan import all_plans, local_token_index
         cu = thd_cu_seqlens(packed_seq_params)
-        plans = all_plans(cu, "zigzag_per_doc" if self.cp_size > 1 else "contiguous", self.cp_size)
-        pos = [local_token_index(p).to(query.device) for p in plans]
-        mine = pos[dist.get_rank(self.cp_group) if self.cp_size > 1 else 0]
-        if query.dim() != 3 or query.shape[0] != len(mine):
-            raise ValueError(f"THD query {tuple(query.shape)}: expected [{len(mine)}, heads, head_dim] (this rank's "
+        rank = dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
+        pieces, order = _pack_pieces(cu, self.cp_size, rank)
+        t = sum(e - s for s, e, _ in pieces)
+        if query.dim() != 3 or query.shape[0] != t:
+            raise ValueError(f"THD query {tuple(query.shape)}: expected [{t}, heads, head_dim] (this rank's "
                              f"tokens of the {cu[-1]}-token pack)")
         kv = torch.cat([key, value], -1)
         if self.cp_size > 1:
-            kv = AllGatherSeq.apply(kv, self.cp_group)
-        keys = torch.cat(pos)
-        doc = torch.bucketize(torch.arange(cu[-1], device=query.device), torch.tensor(cu[1:], device=query.device),
-                              right=True)
-        mask = (doc[mine][:, None] == doc[keys][None]) & (keys[None] <= mine[:, None])
+            kv = AllGatherSeq.apply(kv, self.cp_group).index_select(0, _on(order, str(query.device)))
         q = query.transpose(0, 1)[None]                                          # [1, heads, t, d]
         k, v = kv.transpose(0, 1)[None].split([key.shape[-1], value.shape[-1]], -1)
         dropout_p = self.dropout_p if self.training else 0.0
         use_tracker = dropout_p > 0 and not self.config.sequence_parallel
+        outs, at = [], 0
         with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+            for s, e, start in pieces:      # queries [s, e) of the document that starts at ``start``
+                outs.append(causal_sdpa(q[:, :, at:at + e - s], k[:, :, start:e], v[:, :, start:e], dropout_p,
+                                        self.softmax_scale))
+                at += e - s
+        return torch.cat(outs, 2)[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int):
+    """This rank's pieces of a THD pack, cut at document edges, in local order: ``(start, end, document
+    start)``; and (``world_size`` > 1) the gathered rows' order: for each stream position, its row among
+    the ranks' rows all-gathered in rank order (CPU; None at one rank)."""
+    from megatron_kcp.parallel.plan import all_plans, local_token_index
+    plans = all_plans(cu, "zigzag_per_doc" if world_size > 1 else "contiguous", world_size)
+    pieces = []
+    for s, e in plans[rank].pieces:
+        first = bisect.bisect_right(cu, s) - 1
+        for d in range(first, len(cu) - 1):
+            if cu[d] >= e:
+                break
+            pieces.append((max(s, cu[d]), min(e, cu[d + 1]), cu[d]))
+    order = torch.argsort(torch.cat([local_token_index(p) for p in plans])) if world_size > 1 else None
+    return tuple(pieces), order
+
+
+@functools.lru_cache(maxsize=64)
+def _on(t: torch.Tensor, device: str) -> torch.Tensor:
+    return t.to(device)
