@@ -15,6 +15,9 @@
 #   keep, convert, fp32_keep, fp32_convert   cp2 with the linear layers kept in Megatron's layout
 #              (KCP_CONVERT=0) and moved to the contiguous one (KCP_CONVERT=1), bf16 and fp32, 100 steps
 #              (not in the default chains: KCP_TRAIN_CHAINS="gdn:keep,convert,fp32_keep,fp32_convert kda:...")
+#   graph      cp2 with Megatron's per-layer CUDA graphs (--cuda-graph-impl local: one sequence a sample,
+#              shapes fixed, so each layer's step, KCP's exchange included, is captured once and replayed),
+#              against cp2 (not in the default chains: KCP_TRAIN_CHAINS="gdn:cp2,graph kda:cp2,graph")
 # KCP_TRAIN_CHAINS lists chains "model:run,run,..." (default: every run of both models, one chain
 # per model); chains run side by side, the runs of a chain one after another (resume after cp2,
 # restart after crash). Per-step losses land in $OUT/<model>_<run>.jsonl; scripts/loss_parity.py
@@ -68,6 +71,7 @@ run() {   # model port name
       [[ $n == fp32_* ]] && fp32=(--fp32)
       [[ $n == *convert ]] && on=1
       (export KCP_CONVERT=$on; train "$m" "$n" "$p" "${fp32[@]}" --cp 2 -- "${common[@]}" --train-iters 100) ;;
+    graph) train "$m" graph "$p" --cp 2 -- "${common[@]}" --train-iters 100 --cuda-graph-impl local ;;
     *) echo "$m $n: unknown run" >> "$OUT/summary.txt" ;;
   esac
 }
@@ -105,6 +109,9 @@ for m in gdn kda; do
     --reference "$OUT/${m}_keep.jsonl" --tol 2e-2 > "$OUT/${m}_parity_convert.txt" 2>&1
   [ -f "$OUT/${m}_fp32_keep.jsonl" ] && python scripts/loss_parity.py "$OUT/${m}_fp32_convert.jsonl" \
     --reference "$OUT/${m}_fp32_keep.jsonl" --tol 1e-3 > "$OUT/${m}_parity_convert_fp32.txt" 2>&1
+  # the captured steps against the eager ones
+  [ -f "$OUT/${m}_graph.jsonl" ] && [ -f "$OUT/${m}_cp2.jsonl" ] && python scripts/loss_parity.py \
+    "$OUT/${m}_graph.jsonl" --reference "$OUT/${m}_cp2.jsonl" --tol 2e-2 > "$OUT/${m}_parity_graph.txt" 2>&1
 done
 save_cache
 (cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt ./*.jsonl)

@@ -27,7 +27,8 @@ start = int(opt("--ckpt-step") or open(os.path.join(load, "latest")).read()) if 
 for step in range(start + 1, iters + 1):
     time.sleep(0.05)          # the script's killer polls every 0.25 s: steps 31-40 must outlast that
     with open(log, "a") as f:
-        f.write(json.dumps({"step": step, "loss": 10.0 / step, "convert": os.environ.get("KCP_CONVERT")}) + "\\n")
+        f.write(json.dumps({"step": step, "loss": 10.0 / step, "convert": os.environ.get("KCP_CONVERT"),
+                            "graph": opt("--cuda-graph-impl")}) + "\\n")
     if save and step % every == 0:
         os.makedirs(save, exist_ok=True)
         open(os.path.join(save, "latest"), "w").write(str(step))
@@ -84,6 +85,15 @@ def test_training_checks_layout_conversion_runs(tmp_path):
         assert f'"convert": "{on}"' in files[f"gdn_{run}.jsonl"].splitlines()[0]
     assert "gdn_convert: steps 1-100" in files["gdn_parity_convert.txt"]
     assert "gdn_fp32_convert: steps 1-100" in files["gdn_parity_convert_fp32.txt"]
+
+
+def test_training_checks_cuda_graph_run(tmp_path):
+    """The captured run: CP = 2 with Megatron's local CUDA graphs, compared with the eager cp2 run."""
+    files = _run(tmp_path, 600, chains="gdn:cp2,graph")
+    assert "gdn graph: exit 0" in files["summary.txt"], files["summary.txt"]
+    assert '"graph": "local"' in files["gdn_graph.jsonl"].splitlines()[0]
+    assert '"graph": null' in files["gdn_cp2.jsonl"].splitlines()[0]
+    assert "gdn_graph: steps 1-100" in files["gdn_parity_graph.txt"]
 
 
 def test_training_checks_time_budget(tmp_path):
