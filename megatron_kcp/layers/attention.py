@@ -142,14 +142,14 @@ class CPDotProductAttention(MegatronModule):
         from megatron_kcp.layers.layout import thd_cu_seqlens
         cu = thd_cu_seqlens(packed_seq_params)
         rank = dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
-        pieces, order = _pack_pieces(cu, self.cp_size, rank)
+        pieces, order = _pack_pieces(cu, self.cp_size, rank, str(query.device))
         t = sum(e - s for s, e, _ in pieces)
         if query.dim() != 3 or query.shape[0] != t:
             raise ValueError(f"THD query {tuple(query.shape)}: expected [{t}, heads, head_dim] (this rank's "
                              f"tokens of the {cu[-1]}-token pack)")
         kv = torch.cat([key, value], -1)
         if self.cp_size > 1:
-            kv = AllGatherSeq.apply(kv, self.cp_group).index_select(0, _on(order, str(query.device)))
+            kv = AllGatherSeq.apply(kv, self.cp_group).index_select(0, order)
         q = query.transpose(0, 1)[None]                                          # [1, heads, t, d]
         k, v = kv.transpose(0, 1)[None].split([key.shape[-1], value.shape[-1]], -1)
         dropout_p = self.dropout_p if self.training else 0.0
@@ -164,10 +164,10 @@ class CPDotProductAttention(MegatronModule):
 
 
 @functools.lru_cache(maxsize=64)
-def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int):
+def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int, device: str):
     """This rank's pieces of a THD pack, cut at document edges, in local order: ``(start, end, document
     start)``; and (``world_size`` > 1) the gathered rows' order: for each stream position, its row among
-    the ranks' rows all-gathered in rank order (CPU; None at one rank)."""
+    the ranks' rows all-gathered in rank order (on ``device``, copied once; None at one rank)."""
     from megatron_kcp.parallel.plan import all_plans, local_token_index
     plans = all_plans(cu, "zigzag_per_doc" if world_size > 1 else "contiguous", world_size)
     pieces = []
@@ -177,10 +177,5 @@ def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int):
             if cu[d] >= e:
                 break
             pieces.append((max(s, cu[d]), min(e, cu[d + 1]), cu[d]))
-    order = torch.argsort(torch.cat([local_token_index(p) for p in plans])) if world_size > 1 else None
+    order = torch.argsort(torch.cat([local_token_index(p) for p in plans])).to(device) if world_size > 1 else None
     return tuple(pieces), order
-
-
-@functools.lru_cache(maxsize=64)
-def _on(t: torch.Tensor, device: str) -> torch.Tensor:
-    return t.to(device)
