@@ -34,7 +34,9 @@ against the one-device run's rows.
 
 The mixer and block rows share the one-device rows' weights. ``--smoke`` (CPU, reference core): fla's
 CP call is stood in by ours on the contiguous plan, and flash-qla's rows are left out; it checks the
-script, not a measurement. ``--budget`` skips the cases left once it is spent.
+script, not a measurement. ``--budget`` skips the cases left once it is spent. ``--profile ROWS`` prints,
+after timing each of ``--profile-methods`` (default: kcp), every rank's profile of one step: wall time,
+kernel time and launches, and the costliest operators.
 """
 from __future__ import annotations
 
@@ -158,6 +160,31 @@ class Case:
             note = f"WRONG: err over {ERR_BOUND:g} ({each}); {note}"
         ms, _ = self.b.measure(step)
         self.emit(level, method, width, ms, err, note, layout)
+        if self.b.args.profile and method in self.b.args.profile_methods:
+            rank_profiles(self.b, step, f"{level} {method} {self.s.model} H={self.s.HV} T={self.T} {self.docs}",
+                          self.b.args.profile)
+
+
+def rank_profiles(b: Bench, step, what: str, rows: int):
+    """Every rank's torch.profiler table of one ``step``, printed in rank order: the wall time, the
+    kernels' summed time and count (their difference: the host and waits no kernel covers; a collective's
+    kernel counts its wait), and the ``rows`` costliest operators by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    b.sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])) as prof:
+        t0 = time.perf_counter()
+        step()
+        b.sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
+    head = (f"== profile {what} W={b.W} rank {b.rank}: wall {wall:.2f} ms, kernels "
+            f"{sum(e.device_time for e in ks) / 1e3:.2f} ms in {len(ks)} launches")
+    table = prof.key_averages().table(sort_by="cuda_time_total" if b.cuda else "cpu_time_total", row_limit=rows)
+    for r in range(b.W):
+        dist.barrier()
+        if r == b.rank:
+            print(f"{head}\n{table}", flush=True)
 
 
 def run_method(c: Case, level: str, method: str, fn):
@@ -418,6 +445,9 @@ def main(argv=None):
     p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto",
                    help="the core of our op-level rows (auto: the default's pick)")
     p.add_argument("--budget", type=float, default=None, help="seconds; cases left after it are skipped")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after timing --profile-methods, print each rank's profile of one step (ROWS operators)")
+    p.add_argument("--profile-methods", nargs="+", choices=METHODS, default=["kcp"], metavar="METHOD")
     p.add_argument("--csv", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, reference core, tiny sizes")
     args = p.parse_args(argv)

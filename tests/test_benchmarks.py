@@ -300,13 +300,25 @@ def test_perdoc_measured_smoke_runs_every_method_as_the_same_function(tmp_path):
     assert note["KDA", "varlen", "mixer", "kcp-noconvert"] == "0 hidden-state all-to-alls a forward"
 
 
+def test_perdoc_measured_profiles_every_rank():
+    """--profile: each rank prints its profile of the named method's step, in rank order."""
+    run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--shapes", "qwen3-next",
+                          "--docs", "single", "--levels", "ops", "--methods", "kcp", "--profile", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    heads = [line for line in run.stdout.splitlines() if line.startswith("== profile ops kcp GDN")]
+    assert [h.split(" rank ")[1].split(":")[0] for h in heads] == ["0", "1"], run.stdout[-2000:]
+    assert all("kernels" in h and "launches" in h for h in heads), heads
+
+
 def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
     """A measured row over the error bound says so first in its note, with each result's error."""
     import torch
     from benchmarks import perdoc_measured as pm
     rows = []
     c = pm.Case.__new__(pm.Case)
-    c.b = types.SimpleNamespace(max_over_ranks=lambda v: v, measure=lambda step: (1.0, 0.0), rank=0, W=2)
+    c.b = types.SimpleNamespace(max_over_ranks=lambda v: v, measure=lambda step: (1.0, 0.0), rank=0, W=2,
+                                args=types.SimpleNamespace(profile=0))
     c.write, c.rows, c.base = rows.append, {}, {}
     y = torch.ones(4)
     c.timed("mixer", "kcp", 2, None, [3 * y, y], [y, y], "contiguous")
