@@ -43,14 +43,15 @@ def _kernels():
 
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from flash_qla.ops.gated_delta_rule import chunk as C
+    from flash_qla.ops.utils import group_reduce_vector
     from flash_qla.utils.index import prepare_varlen_metadata
     if C.CHUNK_SIZE != 64:
         raise RuntimeError(f"flash-qla runs chunks of {C.CHUNK_SIZE} on this GPU; the qla core needs 64: "
                            "use backend='fla'")
     return SimpleNamespace(chunk_local_cumsum=C.chunk_local_cumsum, kkt_solve=C.kkt_solve, fused_gdr_h=C.fused_gdr_h,
                            fused_gdr_fwd=C.fused_gdr_fwd, fused_gdr_dh=C.fused_gdr_dh, fused_gdr_bwd=C.fused_gdr_bwd,
-                           prepare_varlen_metadata=prepare_varlen_metadata, l2norm_fwd=l2norm_fwd,
-                           l2norm_bwd=l2norm_bwd)
+                           group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=prepare_varlen_metadata,
+                           l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd)
 
 
 @functools.lru_cache(maxsize=256)
@@ -188,9 +189,9 @@ class GDNQLACore:
         dq, dk, dv, dg, db, _ = K.fused_gdr_bwd(q=q, k=k, v=v, a=A, g=g, b=beta, do=do, dht=B.dht, h=h,
                                                 scale=P.scale, cu_seqlens=cu)
         H, HV = k.shape[2], v.shape[2]
-        if HV > H:                               # grouped value heads: q/k gradients summed per q/k head
-            dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(3)
-            dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(3)
+        if HV > H:       # grouped value heads: q/k gradients summed per q/k head (torch's sum over the group
+            # dimension ran 2.7x slower than flash-qla's kernel: BENCHMARKS.md, the one-sequence profile)
+            dq, dk = K.group_reduce_vector(dq, H), K.group_reduce_vector(dk, H)
         dg = K.chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, zero_last_chunk=True)
         return dq, dk, dv, dg, db
 

@@ -67,12 +67,17 @@ def l2norm_bwd(y, rstd, dy):
     return ((dy64 - y64 * (dy64 * y64).sum(-1, keepdim=True)) * rstd.unsqueeze(-1)).to(dy.dtype)
 
 
+def group_reduce_vector(x, Hg):
+    return x.view(*x.shape[:2], Hg, x.shape[2] // Hg, x.shape[3]).sum(3)
+
+
 def kernels() -> SimpleNamespace:
     return SimpleNamespace(
         chunk_local_cumsum=lambda g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False: g.clone(),
         kkt_solve=lambda k, b, chunk_size=64, cu_seqlens=None: k.new_zeros(*b.shape, chunk_size),
         fused_gdr_h=fused_gdr_h, fused_gdr_fwd=fused_gdr_fwd, fused_gdr_dh=fused_gdr_dh, fused_gdr_bwd=fused_gdr_bwd,
-        prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd)
+        group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd,
+        l2norm_bwd=l2norm_bwd)
 
 
 def install() -> None:
