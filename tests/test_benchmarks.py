@@ -212,13 +212,15 @@ def test_memory_table():
 def test_simulate_smoke_rows_and_bytes(tmp_path):
     """simulate.py --smoke: a row per model, layout and strategy; the bytes each rank sends, by hand."""
     path = tmp_path / "sim.csv"
-    run = subprocess.run([sys.executable, str(BENCH / "simulate.py"), "--smoke", "--docs", "single", "--csv", str(path)],
+    run = subprocess.run([sys.executable, str(BENCH / "simulate.py"), "--smoke", "--docs", "single",
+                          "--csv", str(path)],
                          capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["model"], r["layout"], r["strategy"]) for r in rows} == {
-        (m, lay, s) for m in ("GDN", "KDA") for lay in ("contiguous", "zigzag", "zigzag_per_doc") for s in ("relay", "gather")}
+        (m, lay, s) for m in ("GDN", "KDA") for lay in ("contiguous", "zigzag", "zigzag_per_doc")
+        for s in ("relay", "gather")}
     state, slot = H * K * K * 4, H * K * 2 * K * 4      # fp32 [H, K, V] state; [H, K, V + K] gather slot (T=256 smoke)
     for r in rows:
         assert r["note"] == "", r
@@ -382,7 +384,8 @@ def test_device_perdoc_walks_the_measured_stages_on_the_cpu(tmp_path):
     """The two-GPU stages of scripts/device_perdoc.sh with --smoke (two gloo ranks): a process per case,
     each writing its measured rows, the cases spread over two jobs side by side (KCP_PERDOC_JOBS)."""
     env = {**os.environ, "OUT": str(tmp_path), "KCP_PERDOC_EXTRA": "--smoke", "KCP_PERDOC_JOBS": "2",
-           "KCP_PERDOC_STAGES": "x2-gdn x2-kda x2-single", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "KCP_PERDOC_STAGES": "x2-gdn x2-kda x2-single",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-2000:]
