@@ -2,9 +2,9 @@
 # .tcache/$name.tar.xz when the checkout has one (a cache saved by an earlier run, possibly on
 # another machine with the same GPU and packages), else from scripts/tuning/$name-h200.tar.xz (fla's
 # full-autotuning winners of the measured packed-document and one-sequence tables in BENCHMARKS.md:
-# the Qwen3-Next, Kimi-Linear and H = 64 shapes at 32k tokens; Triton keys them by kernel, arguments
-# and GPU architecture, sm_90
-# for an H100 too), and save_cache, which packs the autotune results
+# the Qwen3-Next, Kimi-Linear and H = 64 shapes at 32k tokens, and one sequence at 128k; Triton keys
+# them by kernel, arguments and GPU architecture, sm_90 for an H100 too), and save_cache, which packs
+# the autotune results
 # and tilelang kernels into $OUT/$name.tar.xz for a later run (the kernels are dropped if the
 # archive would exceed 15 MB, near what one file of $OUT may hold). xz, not gzip: tilelang's kernels
 # repeat their host wrappers, and xz's window finds the repeats that gzip's cannot. With
