@@ -190,7 +190,7 @@ class GDNQLACore:
                                                 scale=P.scale, cu_seqlens=cu)
         H, HV = k.shape[2], v.shape[2]
         if HV > H:       # grouped value heads: q/k gradients summed per q/k head (torch's sum over the group
-            # dimension ran 2.7x slower than flash-qla's kernel: BENCHMARKS.md, the one-sequence profile)
+            # dimension ran 2.6x slower than flash-qla's kernel: BENCHMARKS.md, the one-sequence profile)
             dq, dk = K.group_reduce_vector(dq, H), K.group_reduce_vector(dk, H)
         dg = K.chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, zero_last_chunk=True)
         return dq, dk, dv, dg, db
