@@ -13,7 +13,6 @@ document, against that document's gathered keys: the documents' causal work, one
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import math
@@ -165,17 +164,13 @@ class CPDotProductAttention(MegatronModule):
 
 @functools.lru_cache(maxsize=64)
 def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int, device: str):
-    """This rank's pieces of a THD pack, cut at document edges, in local order: ``(start, end, document
-    start)``; and (``world_size`` > 1) the gathered rows' order: for each stream position, its row among
-    the ranks' rows all-gathered in rank order (on ``device``, copied once; None at one rank)."""
+    """This rank's pieces of a THD pack, in local order: its plan's segments (cut at document edges),
+    as ``(start, end, document start)`` in the stream; and (``world_size`` > 1) the gathered rows'
+    order: for each stream position, its row among the ranks' rows all-gathered in rank order (on
+    ``device``, copied once; None at one rank)."""
     from megatron_kcp.parallel.plan import all_plans, local_token_index
     plans = all_plans(cu, "zigzag_per_doc" if world_size > 1 else "contiguous", world_size)
-    pieces = []
-    for s, e in plans[rank].pieces:
-        first = bisect.bisect_right(cu, s) - 1
-        for d in range(first, len(cu) - 1):
-            if cu[d] >= e:
-                break
-            pieces.append((max(s, cu[d]), min(e, cu[d + 1]), cu[d]))
+    p = plans[rank]
+    pieces = tuple((s, s + b - a, cu[d]) for s, a, b, d in zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq))
     order = torch.argsort(torch.cat([local_token_index(p) for p in plans])).to(device) if world_size > 1 else None
-    return tuple(pieces), order
+    return pieces, order
