@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from benchmarks import simulate  # noqa: E402
 from benchmarks.common import cu_seqlens, fresh_leaves  # noqa: E402
 from benchmarks.perdoc import DOCS, SHAPES, TINY, inputs  # noqa: E402
+from benchmarks.timing import kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline", "step_ms", "host_ms", "kernel_ms",
@@ -90,8 +91,7 @@ def kernels(step) -> tuple[float, int]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
-    return sum(e.device_time for e in ks) / 1e6, len(ks)
+    return kernel_time(prof)
 
 
 def graphed(step, args) -> tuple[float | None, str]:

@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import perdoc  # noqa: E402
 from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, rel_err, spawn  # noqa: E402
-from benchmarks.timing import Bench  # noqa: E402
+from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
@@ -177,9 +177,9 @@ def rank_profiles(b: Bench, step, what: str, rows: int):
         step()
         b.sync()
         wall = (time.perf_counter() - t0) * 1e3
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
+    seconds, launches = kernel_time(prof)
     head = (f"== profile {what} W={b.W} rank {b.rank}: wall {wall:.2f} ms, kernels "
-            f"{sum(e.device_time for e in ks) / 1e3:.2f} ms in {len(ks)} launches")
+            f"{seconds * 1e3:.2f} ms in {launches} launches")
     table = prof.key_averages().table(sort_by="cuda_time_total" if b.cuda else "cpu_time_total", row_limit=rows)
     for r in range(b.W):
         dist.barrier()

@@ -11,6 +11,12 @@ import torch
 import torch.distributed as dist
 
 
+def kernel_time(prof) -> tuple[float, int]:
+    """(summed seconds, count) of the GPU kernels a finished ``torch.profiler.profile`` recorded."""
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
+    return sum(e.device_time for e in ks) / 1e6, len(ks)
+
+
 class CommLog:
     """The collectives one call issues: bytes this rank receives, and a replay of them alone."""
     NAMES = ("all_gather_into_tensor", "all_to_all_single", "all_reduce", "reduce_scatter_tensor", "isend", "irecv")
