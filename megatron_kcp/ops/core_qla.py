@@ -189,8 +189,8 @@ class GDNQLACore:
         dq, dk, dv, dg, db, _ = K.fused_gdr_bwd(q=q, k=k, v=v, a=A, g=g, b=beta, do=do, dht=B.dht, h=h,
                                                 scale=P.scale, cu_seqlens=cu)
         H, HV = k.shape[2], v.shape[2]
-        if HV > H:       # grouped value heads: q/k gradients summed per q/k head (torch's sum over the group
-            # dimension ran 2.6x slower than flash-qla's kernel: BENCHMARKS.md, the one-sequence profile)
+        if HV > H:       # grouped value heads: q/k gradients summed per q/k head, by flash-qla's kernel
+            # (torch's sum over the group dimension is slower: BENCHMARKS.md, the one-sequence profile)
             dq, dk = K.group_reduce_vector(dq, H), K.group_reduce_vector(dk, H)
         dg = K.chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, zero_last_chunk=True)
         return dq, dk, dv, dg, db
