@@ -21,7 +21,9 @@ against the one-device run's rows.
   (``build_cp_context``) and back; ``fla-cp``: fla's CP call on the same documents fed contiguous;
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
   default, its pick in ``note``); ``kcp-graph`` (asked for by name): the default's step with its exchange
-  captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs).
+  captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs);
+  ``kcp-ownstart`` (by name): the default with the all-gather's sequence starts on a state pass of their
+  own instead of the maps pass (``AllGather.starts_through_maps``), its peer.
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
   ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
   ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
@@ -62,7 +64,9 @@ from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
-METHODS = (*perdoc.METHODS, "kcp-graph")      # kcp-graph: the default's step captured in a CUDA graph (ops)
+# ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart, the default with the
+# all-gather's sequence starts on a pass of their own (AllGather.starts_through_maps off)
+METHODS = (*perdoc.METHODS, "kcp-graph", "kcp-ownstart")
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
 # a right method's bf16 row sits near 1e-2 or below against the one-device bf16 run; a wrong exchange,
@@ -271,12 +275,21 @@ def ops_level(c: Case, args):
         "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
                                        pick_note),
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-ownstart": lambda: own_start(run, "kcp-ownstart", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
+                                          pick_note),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
     }
     for method in args.methods:
         if method not in QLA or qla:
             run_method(c, "ops", method, methods[method])
+
+
+def own_start(run, *args):
+    """``run(*args)`` with every sequence start's final state on a state pass of its own."""
+    from megatron_kcp.parallel.gather import AllGather
+    with mock.patch.object(AllGather, "starts_through_maps", False):
+        run(*args)
 
 
 def first(fn):
@@ -367,7 +380,8 @@ def module_level(c: Case, args, what: str, solo):
         "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
     }
     for method in args.methods:
-        if method in ("fla-cp", "kcp-unpipelined", "kcp-graph") or method in QLA and not (gdn and b.cuda):
+        if method in ("fla-cp", "kcp-unpipelined", "kcp-graph", "kcp-ownstart") or method in QLA and not (
+                gdn and b.cuda):
             continue                           # op level only; flash-qla: GDN on a GPU
         if method == "cp2hp" and gdn and not b.cuda:
             c.skip(what, method, "n/a on the CPU: megatron-core's GatedDeltaNet runs packed sequences with fla's "

@@ -2,9 +2,10 @@
 
 Forward, each segment with a successor exports one ``[HV, K, V + K]`` slot: a segment that starts
 its sequence here exports its true final state ``[S | 0]`` (a state pass: its initial state is
-known); one that continues a sequence exports its affine map ``[H | M]`` (``S_out = M S_in + H``,
-fla's CP pre-process). After the all-gather every receiving segment folds the slots of the pieces
-before it, ``S = M_j S + H_j`` from the sequence start, and the local pass runs once. Backward is
+known; on a fused core, from a zero state, the maps pass's ``[S | M]``); one that continues a
+sequence exports its affine map ``[H | M]`` (``S_out = M S_in + H``, fla's CP pre-process). After
+the all-gather every receiving segment folds the slots of the pieces before it, ``S = M_j S + H_j``
+from the sequence start, and the local pass runs once. Backward is
 the mirror image with ``[dH | M^T]``: dH from a state-gradient pass with a zero final-state
 gradient, M^T from the forward's M. All ranks work at once, so the price is the M pass, not
 latency: the strategy for many ranks. On a plan with ``max_segment`` it also chains the parts of a rank's
@@ -71,6 +72,7 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
 
 class AllGather(StateExchange):
     name = "gather"
+    starts_through_maps = True      # False: every sequence start its own state pass (a benchmark's peer)
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
@@ -83,18 +85,34 @@ class AllGather(StateExchange):
             # a segment that starts its sequence knows its initial state: its pass is final
             done = [s for s in plan.send_fwd if plan.pred[s] is None]
             middle = [s for s in plan.send_fwd if plan.pred[s] is not None]
-            if done:
-                buf[..., :V].index_copy_(0, index_tensor([slot[s] for s in done], buf.device),
-                                         core.state(P, st, done, h0))
+            ride = self._through_maps(core, P, done, middle)
+            own = [s for s in done if s not in ride]
+            if own:
+                buf[..., :V].index_copy_(0, index_tensor([slot[s] for s in own], buf.device),
+                                         core.state(P, st, own, h0))
             if middle:
-                maps = core.maps(P, middle)
-                buf.index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), maps)
-                M = maps[..., V:].contiguous()
+                export = sorted(middle + ride)
+                maps = core.maps(P, export)
+                buf.index_copy_(0, index_tensor([slot[s] for s in export], buf.device), maps)
+                M = maps[..., V:]
+                if ride:                        # the backward's M^T: the segments that continue both ways
+                    M = M.index_select(0, index_tensor([export.index(s) for s in middle], M.device))
+                M = M.contiguous()
             fold(_all_gather(buf, plan, group), plan.recv_fwd, h0)
         rest = _others(n, done)
         if rest and not core.fused:           # a fused core's output runs its own state pass
             core.state(P, st, rest, h0)
         return core.output(P, st, 0, n), M
+
+    def _through_maps(self, core, P, done, middle):
+        """The sequence starts in ``done`` whose final state the maps pass exports as its H: on a fused
+        core (its state pass exists only to export), where that pass runs anyway (``middle``), from a
+        zero initial state (H is then the final state; the fold never reads a start's M). flash-qla's
+        pass is latency-bound, one scan a part and head, so one more part costs little against a pass
+        of its own (rank 0's extra pass before the forward's all-gather: BENCHMARKS.md)."""
+        if not (self.starts_through_maps and core.fused and middle and P.live is not None):
+            return []
+        return [s for s in done if s not in P.live]
 
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, M):
         n, done = plan.num_segments, []
