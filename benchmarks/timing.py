@@ -82,6 +82,7 @@ class Bench:
         self.cuda = device.type == "cuda"
         self.dtype = getattr(torch, args.dtype)
         self.deadline = args.deadline
+        self.profiled = False           # a profiler session has run in this process (rank_profiles)
 
     def sync(self):
         if self.cuda:
