@@ -139,10 +139,11 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     """The mixer at this spawn's TP x CP (built with ``options``) against TP=1 x CP=1 with the same
     weights: output, input gradient and every parameter gradient; asserts ``shape.tol`` and returns the errors.
 
-    ``control``: long-memory gates (:data:`LONG_MEMORY_A_LOG`), and the negative controls: the CP
-    mixer run again with its state exchange off, then with its conv halo off, must each miss the
-    output by at least 10x the bound (their errors are returned as ``y state off``, ``y halo off``).
-    The shape should then have documents that cross a rank edge in the layout the mixer runs."""
+    ``control``: long-memory gates (:data:`LONG_MEMORY_A_LOG`), and, at CP > 1, the negative controls:
+    the CP mixer run again with its state exchange off, then with its conv halo off, must each miss
+    the output by at least 10x the bound (their errors are returned as ``y state off``, ``y halo off``).
+    The shape should then have documents that cross a rank edge in the layout the mixer runs. At
+    CP = 1 (TP alone) nothing crosses a rank, so there is no exchange to switch off."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     cp = ps.get_context_parallel_world_size()
@@ -172,7 +173,7 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     errs = {"y": rel_err(y, y_want), "dx": rel_err(xl.grad, local_input(xr.grad, sequence_parallel))}
     errs.update({"d" + n: rel_err(grads[n], ref_grads[n]) for n in grads})
     assert max(errs.values()) < shape.tol, errs
-    if control:
+    if control and cp > 1:
         from megatron_kcp.testing.checks import STRATEGIES, exchange_off, halo_off
         for what, switch in (("state", lambda: exchange_off(*STRATEGIES, conv_halo=False)), ("halo", halo_off)):
             restore = switch()

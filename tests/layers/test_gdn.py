@@ -24,6 +24,12 @@ def test_cp2_carries_state_and_halo_across_ranks():
     spawn(functools.partial(compare_tp_cp, control=True), 2, "gdn", ONE_SEQUENCE, 1)
 
 
+def test_tp2_alone_with_long_memory_gates():
+    """TP = 2 with SP and CP = 1, as the GPU suite's (2, 2, True) case: the gates of the controls, but no
+    exchange to switch off (the controls need CP > 1)."""
+    spawn(functools.partial(compare_tp_cp, control=True), 2, "gdn", ONE_SEQUENCE, 2, True, tp=2)
+
+
 @pytest.mark.slow
 def test_sequence_parallel_tp2_cp2_matches_tp1_cp1():
     spawn(compare_tp_cp, 4, "gdn", CPU, 2, True, tp=2)

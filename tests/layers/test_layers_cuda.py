@@ -34,8 +34,8 @@ def _compare(model, tp, sequence_parallel, shape=GPU, control=False):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("world_size,tp,sp", [(2, 1, False), (2, 2, True), (4, 2, True), (4, 1, False)])
 def test_mixer_on_gpu(model, world_size, tp, sp, monkeypatch):
-    """With long-memory gates and the negative controls (state exchange off, conv halo off: each must
-    miss by 10x the bound)."""
+    """With long-memory gates and, at CP > 1, the negative controls (state exchange off, conv halo off:
+    each must miss by 10x the bound). ``world_size`` counts TP x CP ranks: (2, 2, True) is TP alone."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_compare, world_size, model, tp, sp, GPU, True, tp=tp)
 
