@@ -136,3 +136,37 @@ def test_qla_core_matches_oracle_quick():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_qla_core_matches_oracle(world_size):
     spawn(_qla_cases, world_size, LAYOUTS)
+
+
+def _start_passes():
+    """Each rank's forward state passes (``core.state`` calls) on one split sequence, with the start
+    through the maps pass and without; the results must agree."""
+    from unittest import mock
+
+    from megatron_kcp.ops import kcp
+    from megatron_kcp.ops.core_qla import GDNQLACore
+    from megatron_kcp.parallel.gather import AllGather
+    from megatron_kcp.testing import qla_contracts
+    from megatron_kcp.testing.cases import plan_for, shard
+    qla_contracts.install()
+    group = cp_group()
+    cu = (0, 512)
+    xs = random_inputs(torch.Generator().manual_seed(0), cu[-1], 1, 2, 4, 8, 6, False)[:5]
+    plan = plan_for(cu, "contiguous", 2, dist.get_rank(group))
+    runs = {}
+    for ride in (True, False):
+        with mock.patch.object(AllGather, "starts_through_maps", ride), \
+                mock.patch.object(GDNQLACore, "state", autospec=True, side_effect=GDNQLACore.state) as spy:
+            o = kcp.gated_delta_rule(*shard(plan, *xs), plan, group, use_qk_l2norm=True, backend="qla",
+                                     strategy="gather", max_segment=64)
+        runs[ride] = (spy.call_count, o)
+    # rank 0's first part starts the sequence; its other parts continue it both ways, so a maps pass runs
+    assert runs[True][0] == 0, runs[True][0]
+    assert runs[False][0] == (1 if dist.get_rank(group) == 0 else 0), runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_start_rides_the_maps_pass():
+    """On the fused core a sequence start from a zero state exports through the maps pass that its
+    rank runs anyway: no state pass of its own (``AllGather.starts_through_maps``), the same output."""
+    spawn(_start_passes, 2)
