@@ -321,12 +321,15 @@ def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
     c = pm.Case.__new__(pm.Case)
     c.b = types.SimpleNamespace(max_over_ranks=lambda v: v, measure=lambda step: (1.0, 0.0), rank=0, W=2,
                                 args=types.SimpleNamespace(profile=0))
-    c.write, c.rows, c.base = rows.append, {}, {}
+    c.write, c.rows, c.base, c.ref_note = rows.append, {}, {}, ""
     y = torch.ones(4)
     c.timed("mixer", "kcp", 2, None, [3 * y, y], [y, y], "contiguous")
     c.timed("mixer", "kcp-noconvert", 2, None, [y, y], [y, y], "zigzag")
     assert rows[0]["note"] == "WRONG: err over 0.05 (y 2.0e+00, dx 0.0e+00); contiguous", rows[0]
     assert rows[1]["note"] == "zigzag" and rows[1]["err"] == 0.0, rows[1]
+    c.ref_note = "err against fla's CP call"        # where one GPU cannot hold the pack
+    c.timed("ops", "kcp", 2, None, [y], [y], "gather")
+    assert rows[2]["note"] == "gather; err against fla's CP call", rows[2]
 
 
 def test_host_time_smoke_writes_every_rank(tmp_path):
