@@ -96,7 +96,8 @@ class AllGather(StateExchange):
                 buf.index_copy_(0, index_tensor([slot[s] for s in export], buf.device), maps)
                 M = maps[..., V:]
                 if ride:                        # the backward's M^T: the segments that continue both ways
-                    M = M.index_select(0, index_tensor([export.index(s) for s in middle], M.device))
+                    row = {s: j for j, s in enumerate(export)}
+                    M = M.index_select(0, index_tensor([row[s] for s in middle], M.device))
                 M = M.contiguous()
             fold(_all_gather(buf, plan, group), plan.recv_fwd, h0)
         rest = _others(n, done)
