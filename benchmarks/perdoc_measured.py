@@ -24,7 +24,8 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   default, its pick in ``note``); ``kcp-graph`` (asked for by name): the default's step with its exchange
   captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs);
   ``kcp-ownstart`` (by name): the default with the all-gather's sequence starts on a state pass of their
-  own instead of the maps pass (``AllGather.starts_through_maps``), its peer.
+  own instead of the maps pass (``AllGather.starts_through_maps``), its peer; ``kcp-ownstart-graph``:
+  that step captured, the peer of ``kcp-graph``.
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
   ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
   ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
@@ -65,9 +66,10 @@ from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
-# ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart, the default with the
-# all-gather's sequence starts on a pass of their own (AllGather.starts_through_maps off)
-METHODS = (*perdoc.METHODS, "kcp-graph", "kcp-ownstart")
+# ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart(-graph), the default
+# (captured) with the all-gather's sequence starts on a pass of their own (AllGather.starts_through_maps off)
+ONLY_OPS = ("kcp-graph", "kcp-ownstart", "kcp-ownstart-graph")
+METHODS = (*perdoc.METHODS, *ONLY_OPS)
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
 # a right method's bf16 row sits near 1e-2 or below against the one-device bf16 run; a wrong exchange,
@@ -299,6 +301,9 @@ def ops_level(c: Case, args):
                                           pick_note),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
+        "kcp-ownstart-graph": lambda: own_start(graphed, "kcp-ownstart-graph", functools.partial(ours, zpd),
+                                                "zigzag_per_doc",
+                                                lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
     }
     for method in args.methods:
         if method not in QLA or qla:
@@ -306,7 +311,8 @@ def ops_level(c: Case, args):
 
 
 def own_start(run, *args):
-    """``run(*args)`` with every sequence start's final state on a state pass of its own."""
+    """``run(*args)`` (timed eager, or captured) with every sequence start's final state on a state pass
+    of its own."""
     from megatron_kcp.parallel.gather import AllGather
     with mock.patch.object(AllGather, "starts_through_maps", False):
         run(*args)
@@ -423,7 +429,7 @@ def module_level(c: Case, args, what: str, solo):
         "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
     }
     for method in args.methods:
-        if method in ("fla-cp", "kcp-unpipelined", "kcp-graph", "kcp-ownstart") or method in QLA and not (
+        if method in ("fla-cp", "kcp-unpipelined", *ONLY_OPS) or method in QLA and not (
                 gdn and b.cuda):
             continue                           # op level only; flash-qla: GDN on a GPU
         if method == "cp2hp" and gdn and not b.cuda:
