@@ -5,9 +5,9 @@ its sequence here exports its true final state ``[S | 0]`` (a state pass: its in
 known; on a fused core, from a zero state, the maps pass's ``[S | M]``); one that continues a
 sequence exports its affine map ``[H | M]`` (``S_out = M S_in + H``, fla's CP pre-process). After
 the all-gather every receiving segment folds the slots of the pieces before it, ``S = M_j S + H_j``
-from the sequence start, and the local pass runs once. Backward is
-the mirror image with ``[dH | M^T]``: dH from a state-gradient pass with a zero final-state
-gradient, M^T from the forward's M. All ranks work at once, so the price is the M pass, not
+from the sequence start, and the local pass runs once. Backward is the mirror image with
+``[dH | M^T]``: dH from a state-gradient pass with a zero final-state gradient, M^T from the
+forward's M. All ranks work at once, so the price is the M pass, not
 latency: the strategy for many ranks. On a plan with ``max_segment`` it also chains the parts of a rank's
 own long segments, so their passes run side by side.
 """
@@ -109,8 +109,8 @@ class AllGather(StateExchange):
         """The sequence starts in ``done`` whose final state the maps pass exports as its H: on a fused
         core (its state pass exists only to export), where that pass runs anyway (``middle``), from a
         zero initial state (H is then the final state; the fold never reads a start's M). flash-qla's
-        pass is latency-bound, one scan a part and head, so one more part costs little against a pass
-        of its own (rank 0's extra pass before the forward's all-gather: BENCHMARKS.md)."""
+        pass is one scan a part and head, so the rank holding a sequence's first part then runs no
+        more passes before the forward's all-gather than the ranks that hold its middle."""
         if not (self.starts_through_maps and core.fused and middle and P.live is not None):
             return []
         return [s for s in done if s not in P.live]
