@@ -134,6 +134,9 @@ def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
     for r in range(W):
         plan = build_plan(cu, "zigzag_per_doc", W, r, CONV)
         tls.append(simulate.rank_timeline(plan, xs, do, "auto", "fla", args, fn=fn_of(plan)))
+        if args.profile:
+            print(f"rank {r} timeline (ms): " + " ".join(f"{x[1] * 1e3:.2f}" if x[0] == "compute" else x[0]
+                                                         for x in tls[-1]), flush=True)
     ends, _ = simulate.simulate(tls, args.alpha_us * 1e-6, args.bw_gbs * 1e9)
     sent = max(sum(x[2] for x in tl if x[0] == "send") + sum(x[1] for x in tl if x[0] in ("allgather", "alltoall"))
                for tl in tls)
@@ -440,9 +443,12 @@ def main(argv=None):
     p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
     p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
     p.add_argument("--csv", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="print every rank's timeline (compute between its exchange points) and kernel table "
+                        "(torch.profiler, one step, ROWS kernels) for each CP method")
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
-    args.profile, args.max_segment = 0, None          # what simulate.rank_timeline reads
+    args.max_segment = None                           # what simulate.rank_timeline reads
     if args.smoke:
         args.tokens, args.warmup, args.iters, args.dtype = [512], 0, 1, "float32"
         args.shapes = [n for n in args.shapes if n in TINY]

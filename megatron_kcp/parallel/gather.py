@@ -13,6 +13,9 @@ own long segments, so their passes run side by side.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from megatron_kcp.parallel.comm import all_gather
@@ -25,21 +28,75 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
 
     The chains of one sequence are prefixes of its longest (the pieces before a segment, or after it
     in the backward), so each sequence is folded once, along its longest chain, and every chain takes
-    the state after its last source. All sequences step together, longest first, so the live ones
-    are a prefix: one batched product a step, at most 2W - 1 steps whatever the number of documents
-    (more where ``max_segment`` cut the segments), and no gather at all where one sequence is live. Products in full
-    fp32 (no TF32: the chains carry state across the whole sequence)."""
+    the state after its last source. On CUDA that is one launch of fla's merge of gathered summaries
+    (``chunk_cp_fwd_bwd_kernel_merge``, the kernel of fla's intra-card CP: a program per sequence,
+    head and value block walks its chain; products in TF32x3, near fp32): a chain of parts is as
+    long as a sequence has parts (64 for 1M tokens over W = 8 in parts of 16384), and a launch a
+    step would leave the step waiting for its host. Elsewhere :func:`fold_reference`."""
     if not chains:
         return
-    V = gathered.shape[-1] - gathered.shape[-2]
-    flat = gathered.flatten(0, 1)
-    slots = gathered.shape[1]
+    (fold_merge if gathered.is_cuda else fold_reference)(gathered, chains, out)
+
+
+def fold_merge(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
+    """:func:`fold` on fla's merge kernel."""
+    import triton
+    from fla.ops.cp.chunk_merge import chunk_cp_fwd_bwd_kernel_merge
+    HV, K, V = out.shape[1:]
+    m = _merge_plan(tuple(chains), gathered.shape[1], str(out.device))
+    states = out.new_empty(m.num_states, HV, K, V)
+    chunk_cp_fwd_bwd_kernel_merge[lambda meta: (-(-V // meta["BV"]), m.num_seqs, HV)](
+        h=states, ag_hm=gathered.flatten(0, 1).index_select(0, m.rows), num_ranks=m.num_seqs, rank=0,
+        seq_offsets=m.seq_offsets, init_offsets=m.init_offsets, h0_seq_ids=None, h0=None, h_seq_idx=None,
+        HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), FORWARD=True, IS_INTRACARD=True, N=m.num_seqs)
+    out.index_copy_(0, m.segments, states if m.picks is None else states.index_select(0, m.picks))
+
+
+@dataclass(frozen=True)
+class _Merge:
+    """Index tensors of one fold on fla's merge kernel (per plan and direction, built once)."""
+    rows: torch.Tensor                  # the summaries, sequence by sequence along its longest chain, each
+    seq_offsets: torch.Tensor           # closed by a repeat of its last row: the kernel stores every prefix
+    init_offsets: torch.Tensor          # but the last (int32, as the kernel reads them)
+    num_seqs: int
+    num_states: int                     # prefixes stored: one per summary of a longest chain
+    segments: torch.Tensor              # the chains' segments, and the stored prefix each takes
+    picks: torch.Tensor | None          # (None: the prefixes in segment order, one each)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_plan(chains, slots: int, device: str) -> _Merge:
+    seqs, longest = _longest(chains, slots)
+    rows, seq_off, init_off = [], [0], [0]
+    for n in seqs:
+        rows += longest[n] + longest[n][-1:]
+        seq_off.append(len(rows))
+        init_off.append(init_off[-1] + len(longest[n]))
+    picks = [init_off[seqs.index(c.seq)] + len(c.sources) - 1 for c in chains]
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return _Merge(index_tensor(rows, device), i32(seq_off), i32(init_off), len(seqs), init_off[-1],
+                  index_tensor([c.segment for c in chains], device),
+                  None if picks == list(range(init_off[-1])) else index_tensor(picks, device))
+
+
+def _longest(chains, slots: int):
+    """(sequences, longest first; {sequence: the rows of ``gathered.flatten(0, 1)`` along its longest chain})."""
     longest = {}
     for c in chains:
         if len(c.sources) > len(longest.get(c.seq, ())):
             longest[c.seq] = c.sources
     seqs = sorted(longest, key=lambda n: -len(longest[n]))
-    rows = [[r * slots + s for r, s in longest[n]] for n in seqs]
+    return seqs, {n: [r * slots + s for r, s in longest[n]] for n in seqs}
+
+
+def fold_reference(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
+    """:func:`fold` in PyTorch: all sequences step together along their longest chains, longest first,
+    so the live ones are a prefix: one batched product a step, no gather where one sequence is live.
+    Products in full fp32 (no TF32: the chains carry state across the whole sequence)."""
+    V = gathered.shape[-1] - gathered.shape[-2]
+    flat = gathered.flatten(0, 1)
+    seqs, longest = _longest(chains, gathered.shape[1])
+    rows = [longest[n] for n in seqs]
     pos = {n: i for i, n in enumerate(seqs)}
     ends = {}                                   # step -> chains whose last source it folds
     for c in chains:
