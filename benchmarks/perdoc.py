@@ -24,7 +24,9 @@ d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``
 * ``kcp-unpipelined``: the default with the relay on one head group (``KCP_RELAY_GROUPS=1``; op level);
 * ``kcp``: the default (``note``: its strategy and layout); at mixer and block level the hidden
   states move once per run of linear layers (four all-to-alls), at op level the op's own inputs
-  where the cost model says so.
+  where the cost model says so;
+* ``kcp-foldloop`` (by name, op level): the default with the all-gather's fold in PyTorch, a launch a
+  chain step (``gather.fold_reference``), the peer of the fold in one kernel.
 
 Predicted (``source`` = predicted): every rank's step timed alone with its exchange stubbed and
 replayed over the fitted link (``simulate.py``), the slowest rank. Mixer level adds the mixer's
@@ -79,6 +81,7 @@ SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
 CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
 METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
            "kcp")
+BY_NAME = ("kcp-foldloop",)     # peers run only where asked for
 TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
 
 
@@ -188,6 +191,10 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
             run("kcp-contiguous", lambda p: ours(target_plan(p, "contiguous")), contiguous)
     if "kcp-unpipelined" in want:
         run("kcp-unpipelined", ours, plan0, {"KCP_RELAY_GROUPS": "1"})
+    if "kcp-foldloop" in want:
+        from megatron_kcp.parallel import gather
+        with mock.patch.object(gather, "fold", gather.fold_reference):
+            run("kcp-foldloop", ours, plan0)
     if not args.smoke and want & {"mlm-chunkwise", "fla-cp"}:
         from benchmarks.ops import chunk_kernel
         from fla.ops.cp import build_cp_context
@@ -377,7 +384,7 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             cp2hp_qla = c + link_cp2hp
             op_row("cp2hp-qla", cp2hp_qla, W, CP2HP_QLA)
     named = {"mlm-op": "mlm-chunkwise", "mlm-contiguous": "fla-cp", "kcp-noconvert": "kcp-noconvert",
-             "kcp-unpipelined": "kcp-unpipelined", "kcp-op": "kcp"}
+             "kcp-unpipelined": "kcp-unpipelined", "kcp-op": "kcp", "kcp-foldloop": "kcp-foldloop"}
 
     def core_done(key, result):
         if key in named and named[key] in want:
@@ -433,7 +440,7 @@ def main(argv=None):
     p.add_argument("--docs", nargs="+", choices=DOCS, default=list(DOCS))
     p.add_argument("--cp", type=int, nargs="+", default=[2])
     p.add_argument("--levels", nargs="+", choices=["ops", "mixer", "block"], default=["ops", "mixer", "block"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS + BY_NAME, default=list(METHODS))
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
