@@ -51,10 +51,7 @@ QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: ab
 QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
 QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (BENCHMARKS.md)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
-# tokens: shorter parts add exchange slots and fold steps to a step that is already host-bound. Set while the fold
-# was a launch a step; with the fold in one kernel, 32k tokens a rank in parts of 4096 are still host-bound
-# (BENCHMARKS.md: W = 4 to 64, predicted)
-QLA_SPLIT_MIN_PART = 4096
+QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add exchange slots and fold steps where a step is host-bound
 
 
 @dataclass(frozen=True)
