@@ -11,8 +11,8 @@
 # them up is the user's, the script installs nothing.
 # Correctness runs use the tests' cheap autotuning (megatron_kcp/testing/fast_autotune.py); the
 # suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores.
-# Triton's autotune results (small JSON files) and tilelang's compiled kernels are packed into
-# $OUT/tcache-fast.tar.xz: copied to .tcache/tcache-fast.tar.xz in the checkout, they spare a later run compiling.
+# Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
+# kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
 export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
