@@ -23,11 +23,12 @@ SCRIPT = textwrap.dedent("""
     tuner = chunk_cp_fwd_bwd_kernel_merge.fn
     tuner.configs = [c for c in tuner.configs if c.num_stages == 2 and c.kwargs["BV"] == 32][:1]
     torch.manual_seed(0)
-    W, HV, K, V = 4, 2, 16, 16
-    cases = [("zigzag", (0, 4096), 64), ("zigzag_per_doc", (0, 96, 160, 512), 0),
-             ("contiguous", (0, 64, 600, 1024), 64), ("zigzag", (0, 512), 0)]
+    W, HV = 4, 2
+    cases = [("zigzag", (0, 4096), 64, 16, 16), ("zigzag_per_doc", (0, 96, 160, 512), 0, 16, 16),
+             ("contiguous", (0, 64, 600, 1024), 64, 16, 16), ("zigzag", (0, 512), 0, 16, 16),
+             ("zigzag", (0, 1024), 64, 16, 48)]            # K != V, V not a multiple of the value block
     longest = 0
-    for layout, cu, part in cases:
+    for layout, cu, part, K, V in cases:
         for r in range(W):
             plan = build_plan(cu, layout, W, r, max_segment=part)
             for chains, slots in ((plan.recv_fwd, plan.num_slots_fwd), (plan.recv_bwd, plan.num_slots_bwd)):
