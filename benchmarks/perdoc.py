@@ -25,8 +25,10 @@ d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``
 * ``kcp``: the default (``note``: its strategy and layout); at mixer and block level the hidden
   states move once per run of linear layers (four all-to-alls), at op level the op's own inputs
   where the cost model says so;
-* ``kcp-foldloop`` (by name, op level): the default with the all-gather's fold in PyTorch, a launch a
-  chain step (``gather.fold_reference``), the peer of the fold in one kernel.
+* peers of one part of the default, asked for by name (op level, :data:`BY_NAME`): ``kcp-foldloop``,
+  the all-gather's fold in PyTorch, a launch a chain step (``gather.fold_reference``), beside the fold
+  in one kernel; ``kcp-ownstart``, every sequence start on a state pass of its own, not the maps pass
+  (``AllGather.starts_through_maps``).
 
 Predicted (``source`` = predicted): every rank's step timed alone with its exchange stubbed and
 replayed over the fitted link (``simulate.py``), the slowest rank. Mixer level adds the mixer's
@@ -81,8 +83,15 @@ SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
 CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
 METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
            "kcp")
-BY_NAME = ("kcp-foldloop",)     # peers run only where asked for
+BY_NAME = ("kcp-foldloop", "kcp-ownstart")     # the default with one part changed (peer): run only where asked for
 TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
+
+
+def peer(method: str):
+    """The patch that makes the default step the by-name peer ``method`` (:data:`BY_NAME`)."""
+    from megatron_kcp.parallel import gather
+    return {"kcp-foldloop": lambda: mock.patch.object(gather, "fold", gather.fold_reference),
+            "kcp-ownstart": lambda: mock.patch.object(gather.AllGather, "starts_through_maps", False)}[method]()
 
 
 def inputs(s: Shape, T: int, dtype, dev, seed: int):
@@ -191,10 +200,9 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
             run("kcp-contiguous", lambda p: ours(target_plan(p, "contiguous")), contiguous)
     if "kcp-unpipelined" in want:
         run("kcp-unpipelined", ours, plan0, {"KCP_RELAY_GROUPS": "1"})
-    if "kcp-foldloop" in want:
-        from megatron_kcp.parallel import gather
-        with mock.patch.object(gather, "fold", gather.fold_reference):
-            run("kcp-foldloop", ours, plan0)
+    for method in (m for m in BY_NAME if m in want):
+        with peer(method):
+            run(method, ours, plan0)
     if not args.smoke and want & {"mlm-chunkwise", "fla-cp"}:
         from benchmarks.ops import chunk_kernel
         from fla.ops.cp import build_cp_context
@@ -384,7 +392,7 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             cp2hp_qla = c + link_cp2hp
             op_row("cp2hp-qla", cp2hp_qla, W, CP2HP_QLA)
     named = {"mlm-op": "mlm-chunkwise", "mlm-contiguous": "fla-cp", "kcp-noconvert": "kcp-noconvert",
-             "kcp-unpipelined": "kcp-unpipelined", "kcp-op": "kcp", "kcp-foldloop": "kcp-foldloop"}
+             "kcp-unpipelined": "kcp-unpipelined", "kcp-op": "kcp", **{m: m for m in BY_NAME}}
 
     def core_done(key, result):
         if key in named and named[key] in want:

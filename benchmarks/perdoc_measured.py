@@ -23,11 +23,8 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
   default, its pick in ``note``); ``kcp-graph`` (asked for by name): the default's step with its exchange
   captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs);
-  ``kcp-ownstart`` (by name): the default with the all-gather's sequence starts on a state pass of their
-  own instead of the maps pass (``AllGather.starts_through_maps``), its peer; ``kcp-ownstart-graph``:
-  that step captured, the peer of ``kcp-graph``; ``kcp-foldloop`` (by name): the default with the
-  all-gather's fold in PyTorch, a launch a chain step (``gather.fold_reference``), the peer of the fold
-  in one kernel.
+  ``kcp-foldloop`` and ``kcp-ownstart`` (by name): the default with one part changed, as in perdoc.py
+  (``perdoc.peer``); ``kcp-ownstart-graph``: the second captured, the peer of ``kcp-graph``.
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
   ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
   ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
@@ -68,10 +65,9 @@ from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
-# ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart(-graph), the default
-# (captured) with the all-gather's sequence starts on a pass of their own (AllGather.starts_through_maps off);
-# kcp-foldloop, the default with the fold a launch a chain step
-ONLY_OPS = ("kcp-graph", "kcp-ownstart", "kcp-ownstart-graph", *perdoc.BY_NAME)
+# ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart-graph, the peer
+# kcp-ownstart captured; the peers perdoc.BY_NAME
+ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", *perdoc.BY_NAME)
 METHODS = (*perdoc.METHODS, *ONLY_OPS)
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
@@ -300,33 +296,22 @@ def ops_level(c: Case, args):
         "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
                                        pick_note),
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
-        "kcp-ownstart": lambda: own_start(run, "kcp-ownstart", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
-                                          pick_note),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
-        "kcp-foldloop": lambda: fold_loop(run, "kcp-foldloop", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
-                                          pick_note),
-        "kcp-ownstart-graph": lambda: own_start(graphed, "kcp-ownstart-graph", functools.partial(ours, zpd),
-                                                "zigzag_per_doc",
-                                                lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
+        "kcp-ownstart-graph": lambda: under(perdoc.peer("kcp-ownstart"), graphed, "kcp-ownstart-graph",
+                                            functools.partial(ours, zpd), "zigzag_per_doc",
+                                            lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
+        **{m: functools.partial(under, perdoc.peer(m), run, m, functools.partial(ours, zpd), "zigzag_per_doc",
+                                b.W, pick_note) for m in perdoc.BY_NAME},
     }
     for method in args.methods:
         if method not in QLA or qla:
             run_method(c, "ops", method, methods[method])
 
 
-def own_start(run, *args):
-    """``run(*args)`` (timed eager, or captured) with every sequence start's final state on a state pass
-    of its own."""
-    from megatron_kcp.parallel.gather import AllGather
-    with mock.patch.object(AllGather, "starts_through_maps", False):
-        run(*args)
-
-
-def fold_loop(run, *args):
-    """``run(*args)`` with the all-gather's fold in PyTorch, a launch a chain step."""
-    from megatron_kcp.parallel import gather
-    with mock.patch.object(gather, "fold", gather.fold_reference):
+def under(patch, run, *args):
+    """``run(*args)`` (timed eager, or captured) under ``patch`` (a peer's, :func:`perdoc.peer`)."""
+    with patch:
         run(*args)
 
 
