@@ -14,7 +14,8 @@ Every rank of W in turn runs its fwd+bwd of ``kcp.gated_delta_rule`` on its shar
   host), or, where capture fails, empty and the reason in ``note``. The exchange is stubbed, so this is
   what a graph of the local work would give, not a captured collective.
 
-``--cprofile N`` also prints each rank's N costliest host functions (cProfile, one step).
+``--cprofile N`` also prints each rank's N costliest host functions (cProfile, one step); ``--gaps N`` its
+N longest spans of GPU idle inside the step, each with the kernel that ends it (torch.profiler).
 """
 from __future__ import annotations
 
@@ -115,14 +116,49 @@ def graphed(step, args) -> tuple[float | None, str]:
     return statistics.median(times), ""
 
 
+def gaps(step, rows: int) -> str:
+    """Where the GPU waits for the host within one step: the ``rows`` longest idle spans between kernels
+    (torch.profiler's trace), each with the kernel that ends it and how long after its launch it
+    started. A kernel that starts within a few us of its launch after a gap waited for the host."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    launch = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not ks:
+        return "no kernels"
+    t0 = end = ks[0]["ts"]
+    spans = []
+    for e in ks:
+        lag = e["ts"] - launch.get(e["args"].get("correlation"), e["ts"])
+        spans.append((e["ts"] - end, e["ts"] - t0, lag, e["name"][:70]))
+        end = max(end, e["ts"] + e["dur"])
+    idle = sum(max(s[0], 0) for s in spans)
+    lines = [f"GPU span {end - t0:.0f} us, busy {end - t0 - idle:.0f} us, idle {idle:.0f} us "
+             "(profiled: the host is slower than unprofiled)",
+             f"{'idle us':>8} {'at us':>8} {'lag us':>8}  next kernel"]
+    for g, at, lag, name in sorted(spans, reverse=True)[:rows]:
+        lines.append(f"{g:8.0f} {at:8.0f} {lag:8.0f}  {name}")
+    return "\n".join(lines)
+
+
 def host_profile(step, rows: int) -> str:
-    """The ``rows`` costliest host functions of one step (cProfile, by own time)."""
+    """The ``rows`` costliest host functions of one step (cProfile), by own time and by time inside."""
     prof = cProfile.Profile()
     prof.enable()
     step()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
     return out.getvalue()
 
 
@@ -142,6 +178,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph capture")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print each rank's N costliest host functions")
+    p.add_argument("--gaps", type=int, default=0, metavar="N", help="print each rank's N longest GPU idle spans")
     p.add_argument("--csv", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
@@ -185,12 +222,14 @@ def main(argv=None):
                                     g, why = graphed(step, args)
                                     row.update(graph_ms="" if g is None else 1e3 * g)
                                     row["note"] += f"; {why}" if why else ""
+                            if cuda and args.gaps:
+                                print(f"== gaps {name} T={T} {docs} W={W} rank {r}\n{gaps(step, args.gaps)}")
                             if args.cprofile:
                                 print(f"== {name} T={T} {docs} W={W} rank {r}\n{host_profile(step, args.cprofile)}")
                         except torch.OutOfMemoryError:
                             row["note"] += "; out of memory"
-                        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                              flush=True)
+                        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in row.items()), flush=True)
                         if args.csv:
                             with open(args.csv, "a", newline="") as f:
                                 csv.DictWriter(f, COLUMNS).writerow(row)
