@@ -1,7 +1,8 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
 the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
---fit), plot.py (ops and predictions), and simulate.py (--smoke, and its event simulation on hand-made timelines)."""
+--fit), plot.py (ops and predictions), simulate.py (--smoke, and its event simulation on hand-made timelines),
+host_time.py (--smoke) and boundary_cuts.py (cuts by hand)."""
 from __future__ import annotations
 
 import csv
@@ -341,6 +342,17 @@ def test_host_time_smoke_writes_every_rank(tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert [r["rank"] for r in rows] == ["0", "1"], rows
     assert all(float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows
+
+
+def test_boundary_cuts_move_each_cut_to_the_nearest_document_edge(capsys):
+    """boundary_cuts.py: cuts by hand; no document crosses after the move, and its table prints."""
+    from benchmarks import boundary_cuts as bc
+    cu = (0, 10, 30, 70, 100, 128)                     # T = 128; contiguous cuts at 32, 64, 96
+    assert bc.boundary_cuts(cu, 4) == [30, 70, 100]
+    r = bc.row("varlen100", 32768, 2, 16, 128)
+    assert r["exchange_ms"] > 0 and 0 <= r["imbalance"] < 0.1, r
+    bc.main(["--tokens", "32768", "--docs", "varlen", "--cp", "2"])
+    assert "| varlen | 32768 | 2 |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
