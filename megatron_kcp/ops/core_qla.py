@@ -88,13 +88,18 @@ class GDNQLACore:
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         K = _kernels()
         q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+        _, _, cu = _cu(plan, 0, plan.num_segments, str(k.device))
         qr = kr = None
+        # k's norm and the triangular solve (which reads no gate) go first: the solve is the step's first
+        # long kernel, and while it runs the host issues q's norm and the gate's cumsum, which the GPU
+        # would otherwise wait for (benchmarks/results/gaps_h100x1.txt)
         if use_qk_l2norm:
-            (q, qr), (k, kr) = K.l2norm_fwd(q), K.l2norm_fwd(k)
-        _, _, cu = _cu(plan, 0, plan.num_segments, str(q.device))
+            k, kr = K.l2norm_fwd(k)
+        A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
+        if use_qk_l2norm:
+            q, qr = K.l2norm_fwd(q)
         # the backward's gate gradient comes out in g's dtype, and flash-qla needs it in fp32
         gc = K.chunk_local_cumsum(g.float().contiguous(), chunk_size=64, cu_seqlens=cu)
-        A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
         return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, use_qk_l2norm, live=live)
 
     def _range(self, P, lo, hi):
