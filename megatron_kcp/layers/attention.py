@@ -8,8 +8,9 @@ K and V (one collective) over the CP group, puts the chunks in global order, and
 ``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
 end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
 the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads. A THD pack
-(Megatron's per-document zigzag) runs one such attention for each of the rank's pieces of each
-document, against that document's gathered keys: the documents' causal work, one call a piece.
+(Megatron's per-document zigzag) attends each of the rank's pieces of each document to that
+document's gathered keys, the documents' causal work: on a GPU in fp16/bf16 one call of torch's varlen
+flash attention for all pieces, elsewhere one call a piece.
 """
 from __future__ import annotations
 
@@ -153,13 +154,72 @@ class CPDotProductAttention(MegatronModule):
         k, v = kv.transpose(0, 1)[None].split([key.shape[-1], value.shape[-1]], -1)
         dropout_p = self.dropout_p if self.training else 0.0
         use_tracker = dropout_p > 0 and not self.config.sequence_parallel
-        outs, at = [], 0
         with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
-            for s, e, start in pieces:      # queries [s, e) of the document that starts at ``start``
-                outs.append(causal_sdpa(q[:, :, at:at + e - s], k[:, :, start:e], v[:, :, start:e], dropout_p,
-                                        self.softmax_scale))
-                at += e - s
-        return torch.cat(outs, 2)[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+            out = attend_pieces(q, k, v, pieces, dropout_p, self.softmax_scale)
+        return out[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+
+
+def attend_pieces(q, k, v, pieces, dropout_p: float, scale: float) -> torch.Tensor:
+    """Each piece's queries against its document's keys up to the piece's end, lower-right causal.
+
+    On a GPU in fp16/bf16 without dropout, one call of torch's varlen flash attention covers every
+    piece (:func:`_attend_varlen`); elsewhere one ``scaled_dot_product_attention`` call a piece (the
+    semantics both share; a pack of hundreds of documents makes hundreds of calls).
+
+    Args:
+        q: ``[1, heads, t, d]``, the rank's queries in local order (the pieces one after another);
+        k, v: ``[1, kv_heads, T, d]``, the whole pack's keys and values in stream order;
+        pieces: ``(start, end, document start)`` in the stream, in local order.
+    Returns:
+        ``[1, heads, t, d]``.
+    """
+    if _varlen_applies(q, dropout_p):
+        return _attend_varlen(q, k, v, pieces, scale)
+    outs, at = [], 0
+    for s, e, start in pieces:      # queries [s, e) of the document that starts at ``start``
+        outs.append(causal_sdpa(q[:, :, at:at + e - s], k[:, :, start:e], v[:, :, start:e], dropout_p, scale))
+        at += e - s
+    return torch.cat(outs, 2)
+
+
+def _varlen_applies(q: torch.Tensor, dropout_p: float) -> bool:
+    """torch's varlen flash attention runs this: CUDA, fp16/bf16, no dropout, a head dim flash takes."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0):
+        return False
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+def _attend_varlen(q, k, v, pieces, scale: float) -> torch.Tensor:
+    """:func:`attend_pieces` in one varlen flash-attention call: the pieces' queries are already one
+    after another; each piece's keys (its document's, up to the piece's end) are gathered into a
+    packed key stream, so a document's pieces each get their own copy of the keys they share
+    (about (2W + 1) / 2W of the keys at CP = W). Flash aligns a causal mask of ``sq < sk`` at the
+    lower right, with ``window_size=(-1, 0)``. GQA heads are repeated to the query heads."""
+    from torch.nn.attention.varlen import varlen_attn
+    rows, cu_q, cu_k, max_q, max_k = _varlen_index(pieces, str(q.device))
+    k, v = (x[0].transpose(0, 1).index_select(0, rows) for x in (k, v))            # [sum keys, kv_heads, d]
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    out = varlen_attn(q[0].transpose(0, 1).contiguous(), k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                      window_size=(-1, 0))
+    return out.transpose(0, 1)[None]
+
+
+@functools.lru_cache(maxsize=64)
+def _varlen_index(pieces, device: str):
+    """(the stream rows of every piece's keys, in piece order; the queries' and keys' cumulative lengths
+    (int32); the longest query and key run), on ``device``."""
+    rows = torch.cat([torch.arange(start, e) for _, e, start in pieces]).to(device)
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    lq, lk = [e - s for s, e, _ in pieces], [e - start for _, e, start in pieces]
+    cum = (lambda xs: [0, *torch.tensor(xs).cumsum(0).tolist()])
+    return rows, i32(cum(lq)), i32(cum(lk)), max(lq), max(lk)
 
 
 @functools.lru_cache(maxsize=64)
