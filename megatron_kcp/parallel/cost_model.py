@@ -60,21 +60,19 @@ def needs_maps(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> boo
 @functools.lru_cache(maxsize=256)
 def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int = 64,
           head_dim: int = 128) -> tuple[float, float]:
-    """Modelled seconds per direction that (relay, all-gather) add to a step: the state passes at
-    ``heads`` and ``head_dim`` (``STATE_PASS`` scaled as in :func:`relay_chain_pass`) and the messages."""
+    """Modelled seconds per direction that (relay, all-gather) add to a step."""
     plans = all_plans(cu_seqlens, layout, world_size)
-    per_token = STATE_PASS * heads / STATE_PASS_HEADS * (head_dim / STATE_PASS_DIM) ** 2
     gather = 0.0
     for p in plans:
         work = 0.0
         for i, n in enumerate(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])):
             if p.succ[i] is not None:
-                work += (MAP_PASS if p.pred[i] is not None else 1.0) * per_token * n
+                work += (MAP_PASS if p.pred[i] is not None else 1.0) * STATE_PASS * n
         gather = max(gather, work)
     slot = heads * head_dim * 2 * head_dim * 4             # fp32 [H, K, V + K]
     gather += (world_size - 1) * (ALPHA + plans[0].num_slots_fwd * slot / BW)
     tokens, hops = relay_chain(cu_seqlens, layout, world_size)
-    relay = tokens * per_token + hops * ALPHA
+    relay = tokens * STATE_PASS + hops * ALPHA
     return relay, gather
 
 
