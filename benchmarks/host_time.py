@@ -14,6 +14,9 @@ Every rank of W in turn runs its fwd+bwd of ``kcp.gated_delta_rule`` on its shar
   host), or, where capture fails, empty and the reason in ``note``. The exchange is stubbed, so this is
   what a graph of the local work would give, not a captured collective.
 
+``--peer`` adds, after each rank's row, a row for fla's own single-device call on the same tokens, the
+rank's segments as its sequences (no exchange): what the library's call costs the host for the same work.
+
 ``--cprofile N`` also prints each rank's N costliest host functions (cProfile, one step); ``--gaps N`` its
 N longest spans of GPU idle inside the step, each with the kernel that ends it (torch.profiler).
 """
@@ -61,6 +64,20 @@ def rank_step(plan, xs, do, backend: str, max_segment: int | None = None):
             o = kcp.gated_delta_rule(*leaves, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend,
                                      max_segment=max_segment)
             return torch.autograd.grad(o, leaves, dl)
+    return step
+
+
+def peer_step(plan, xs, do):
+    """``step()``: fla's single-device call on this rank's tokens, one sequence a local segment."""
+    from megatron_kcp.ops.core_fla import fla_chunk
+    idx = local_token_index(plan).to(do.device)
+    leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
+    cpu = torch.tensor(plan.cu_seqlens, dtype=torch.long)
+    cu = cpu.to(do.device)
+
+    def step():
+        o = fla_chunk(*leaves, initial_state=None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cpu)
+        return torch.autograd.grad(o, leaves, dl)
     return step
 
 
@@ -178,6 +195,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph capture")
+    p.add_argument("--peer", action="store_true",
+                   help="also time fla's single-device call on each rank's segments (GPU)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print each rank's N costliest host functions")
     p.add_argument("--gaps", type=int, default=0, metavar="N", help="print each rank's N longest GPU idle spans")
     p.add_argument("--csv", default=None)
@@ -211,31 +230,41 @@ def main(argv=None):
                         d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend, max_segment=args.max_segment)
                         groups = dispatch.build_core(d.core, xs[0], xs[2], xs[3]).min_group_heads
                         row = dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, rank=r, layout=args.layout,
-                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K, groups) if d.strategy == "relay" else 1,
-                                   note=d.describe())
-                        try:
-                            step = rank_step(plan, xs, do, backend, args.max_segment)
-                            row.update(measure(step, args, cuda))
-                            if cuda:
-                                k, n = kernels(step)
-                                row.update(kernel_ms=1e3 * k, launches=n)
-                                if args.graph:
-                                    g, why = graphed(step, args)
-                                    row.update(graph_ms="" if g is None else 1e3 * g)
-                                    row["note"] += f"; {why}" if why else ""
-                            if cuda and args.gaps:
-                                print(f"== gaps {name} T={T} {docs} W={W} rank {r}\n{gaps(step, args.gaps)}")
-                            if args.cprofile:
-                                print(f"== {name} T={T} {docs} W={W} rank {r}\n{host_profile(step, args.cprofile)}")
-                        except torch.OutOfMemoryError:
-                            row["note"] += "; out of memory"
-                        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items()), flush=True)
-                        if args.csv:
-                            with open(args.csv, "a", newline="") as f:
-                                csv.DictWriter(f, COLUMNS).writerow(row)
-                        if cuda:
-                            torch.cuda.empty_cache()
+                                   pipeline=pipeline_depth(plan, s.HV, s.H, s.K, groups)
+                                   if d.strategy == "relay" else 1, note=d.describe())
+                        what = f"{name} T={T} {docs} W={W} rank {r}"
+                        report(row, lambda: rank_step(plan, xs, do, backend, args.max_segment), what, args, cuda)
+                        if args.peer and cuda:
+                            report(dict(row, pipeline="", note="peer: fla's single-device call on this rank's "
+                                        "segments, no exchange"), lambda: peer_step(plan, xs, do), f"{what} peer",
+                                   args, cuda)
+
+
+def report(row: dict, make, what: str, args, cuda: bool) -> None:
+    """Times the step ``make()`` builds into ``row`` (with its profiles, where asked), prints the row and
+    appends it to the CSV."""
+    try:
+        step = make()
+        row.update(measure(step, args, cuda))
+        if cuda:
+            k, n = kernels(step)
+            row.update(kernel_ms=1e3 * k, launches=n)
+            if args.graph:
+                g, why = graphed(step, args)
+                row.update(graph_ms="" if g is None else 1e3 * g)
+                row["note"] += f"; {why}" if why else ""
+        if cuda and args.gaps:
+            print(f"== gaps {what}\n{gaps(step, args.gaps)}")
+        if args.cprofile:
+            print(f"== {what}\n{host_profile(step, args.cprofile)}")
+    except torch.OutOfMemoryError:
+        row["note"] += "; out of memory"
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.csv:
+        with open(args.csv, "a", newline="") as f:
+            csv.DictWriter(f, COLUMNS).writerow(row)
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
