@@ -197,7 +197,7 @@ class AllGather(StateExchange):
             rest = [s for s in rest if plan.pred[s] is None]
         if rest:
             d = core.backward_state(P, B, rest, dht)
-            keep_starts(plan, dh0, d, rest)
+            keep_starts(plan, dh0, d, rest, P.live)
         return core.backward_rest(P, B), dh0
 
 

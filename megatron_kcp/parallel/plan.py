@@ -160,10 +160,13 @@ def index_tensor(values, device=None) -> torch.Tensor:
     return _as_tensor_cached(tuple(values), str(torch.device("cpu") if device is None else device))
 
 
-def keep_starts(plan: KCPPlan, dh0: torch.Tensor, d: torch.Tensor, segs) -> None:
+def keep_starts(plan: KCPPlan, dh0: torch.Tensor, d: torch.Tensor, segs, live=None) -> None:
     """``dh0[s] = d[j]`` for the segments ``s = segs[j]`` that start their sequence (``d``: a row per
-    segment of ``segs``): the only initial-state gradients that leave the op."""
-    if starts := plan.starts_among(segs):
+    segment of ``segs``): the only initial-state gradients that leave the op. ``live`` (``Prepared.live``):
+    only the starts in it, the others' initial state is zero (no user state), so their gradient goes
+    nowhere (and a core may leave its row undefined)."""
+    starts = [j for j in plan.starts_among(segs) if live is None or segs[j] in live]
+    if starts:
         dev = d.device
         dh0.index_copy_(0, index_tensor([segs[j] for j in starts], dev), d.index_select(0, index_tensor(starts, dev)))
 

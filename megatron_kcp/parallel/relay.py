@@ -159,7 +159,7 @@ class Relay(StateExchange):
                 arrived()
                 d = core.backward_state(P, B, ph.segs, dht[B.lo:B.hi], heads=hs)
                 _send(p2p, ph.send, plan.pred, d, ph)
-                keep_starts(plan, dh0 if hs is None else dh0[:, hs], d, ph.segs)
+                keep_starts(plan, dh0 if hs is None else dh0[:, hs], d, ph.segs, P.live)
             if ph.span:
                 outs.append((ph.span[0], core.backward_rest(P, B)))
         if not outs:
