@@ -202,6 +202,8 @@ def main(argv=None):
     p.add_argument("--csv", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
+    if args.peer and args.smoke:
+        p.error("--peer times fla's kernels, which need a GPU: drop --peer with --smoke")
     if args.smoke:
         args.tokens, args.warmup, args.iters, args.graph = [512], 0, 1, False
         shapes = {n: TINY[n] for n in args.shapes if n in TINY} or {"qwen3-next": TINY["qwen3-next"]}
@@ -234,7 +236,7 @@ def main(argv=None):
                                    if d.strategy == "relay" else 1, note=d.describe())
                         what = f"{name} T={T} {docs} W={W} rank {r}"
                         report(row, lambda: rank_step(plan, xs, do, backend, args.max_segment), what, args, cuda)
-                        if args.peer and cuda:
+                        if args.peer:
                             report(dict(row, pipeline="", note="peer: fla's single-device call on this rank's "
                                         "segments, no exchange"), lambda: peer_step(plan, xs, do), f"{what} peer",
                                    args, cuda)

@@ -344,6 +344,13 @@ def test_host_time_smoke_writes_every_rank(tmp_path):
     assert all(float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows
 
 
+def test_host_time_peer_refuses_the_cpu_smoke():
+    """--peer times fla's kernels: with --smoke it stops at the parse, naming the fix."""
+    run = subprocess.run([sys.executable, str(BENCH / "host_time.py"), "--smoke", "--peer"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 2 and "drop --peer with --smoke" in run.stderr, run.stderr[-2000:]
+
+
 def test_boundary_cuts_move_each_cut_to_the_nearest_document_edge(capsys):
     """boundary_cuts.py: cuts by hand; no document crosses after the move, and its table prints."""
     from benchmarks import boundary_cuts as bc
