@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import check_fla
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, state_rows
 from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
@@ -140,12 +140,12 @@ def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale)
 def _by_state_rows(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the segments of ``segs`` whose pass needs state rows, the others). A segment reads its initial
     state (writes its gradient) only where it can be nonzero (``P.live``: received, or the user's) and
-    writes its final state (reads its gradient) only where a successor takes it: with many documents
-    most segments need neither, and a state row is HV x K x V fp32 each way."""
+    writes its final state (reads its gradient) only where a successor takes it (``state_rows``):
+    with many documents most segments need neither, and a state row is HV x K x V fp32 each way."""
     if P.live is None:
         return tuple(segs), ()
-    need = [s in P.live or P.plan.succ[s] is not None for s in segs]
-    return tuple(s for s, n in zip(segs, need) if n), tuple(s for s, n in zip(segs, need) if not n)
+    need = set(state_rows(P))
+    return tuple(s for s in segs if s in need), tuple(s for s in segs if s not in need)
 
 
 def _in_order(out, rows, segs, like):
@@ -182,6 +182,7 @@ class _FLACore:
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
     head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
     min_group_heads = MIN_GROUP_HEADS
+    sparse_states = True    # state rows only where _by_state_rows says; fla's recompute in backward_prepare: _h0
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):
         """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""

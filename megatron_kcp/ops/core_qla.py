@@ -84,6 +84,7 @@ class GDNQLACore:
     # a pass is one scan per head and sequence, latency-bound at the heads a rank holds: a group's pass
     # takes about as long as all heads', so the pipeline does not pay (measured: BENCHMARKS.md)
     min_group_heads = None
+    sparse_states = False        # every state row of a range is read
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         K = _kernels()

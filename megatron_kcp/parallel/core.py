@@ -37,12 +37,13 @@ groups says so with ``head_slices``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 
 @dataclass
@@ -99,6 +100,12 @@ class LocalCore(Protocol):
     """Value heads a group needs before its pass runs shorter than all heads' at once (the relay's
     pipeline, :func:`megatron_kcp.parallel.cost_model.pipeline_depth`); None: never on this core."""
 
+    sparse_states: bool
+    """True where ``state`` reads ``h0`` and ``backward_state`` reads ``dht`` only on the rows of
+    :func:`state_rows`, and ``backward_prepare`` reads ``h0`` only on a range that holds a segment of
+    ``P.live`` (every row of it then): a strategy zeroes only those rows (:func:`zeroed_states`).
+    False: every row is read, zero where no state arrived."""
+
     def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, use_qk_l2norm: bool,
                 live: frozenset | None = None) -> Prepared:
         """Everything that needs no state, over the whole local stream."""
@@ -142,6 +149,34 @@ class LocalCore(Protocol):
                       cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
         """o of whole sequences on one device, with autograd: the library's own call, fla's
         ``chunk_gated_delta_rule`` / ``chunk_kda`` surface (megatron-core's ``GatedDeltaRuleInterface``)."""
+
+
+def state_rows(P: Prepared) -> tuple[int, ...]:
+    """The segments whose state rows a pass reads: those whose initial state may be nonzero
+    (``P.live``: received, or the user's) or whose final state a successor takes (so the backward
+    hands them a final-state gradient); every segment where ``P.live`` is None. With many documents a
+    rank holds many segments, few of them these."""
+    return _state_rows(P.plan, P.live)
+
+
+@functools.lru_cache(maxsize=256)
+def _state_rows(plan: KCPPlan, live: frozenset | None) -> tuple[int, ...]:
+    n = plan.num_segments
+    return tuple(range(n)) if live is None else tuple(s for s in range(n) if s in live or plan.succ[s] is not None)
+
+
+def zeroed_states(core: LocalCore, P: Prepared, shape: tuple[int, ...], device) -> torch.Tensor:
+    """Initial states or final-state gradients ``shape`` = ``[segments, HV, K, V]`` fp32, zero wherever
+    ``core`` reads a row before a strategy writes it: every row, or on a ``sparse_states`` core only
+    the rows of :func:`state_rows`. A row is HV x K x V fp32 (2 MiB at 32 heads of 128 x 128), so
+    zeroing a few rows instead of hundreds saves a fill of hundreds of MiB a tensor and step."""
+    rows = state_rows(P)
+    if not core.sparse_states or len(rows) == shape[0]:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    if rows:
+        out.index_fill_(0, index_tensor(rows, out.device), 0.0)
+    return out
 
 
 def head_groups(value_heads: int, groups: int) -> list[slice | None]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import all_gather
+from megatron_kcp.parallel.core import zeroed_states
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
@@ -175,7 +176,8 @@ class AllGather(StateExchange):
     def backward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor, do: torch.Tensor, M):
         n, done = plan.num_segments, []
         B = core.backward_prepare(P, 0, n, h0, do)
-        dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
+        # dh0: rows set by keep_starts, the only ones read
+        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device), torch.empty_like(h0)
         if not plan.is_local:
             HV, K, V = h0.shape[1:]
             buf = h0.new_zeros(plan.num_slots_bwd, HV, K, V + K)

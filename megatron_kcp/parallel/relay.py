@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import P2P
-from megatron_kcp.parallel.core import head_groups
+from megatron_kcp.parallel.core import head_groups, zeroed_states
 from megatron_kcp.parallel.cost_model import pipeline_depth
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
@@ -149,7 +149,8 @@ class Relay(StateExchange):
         stream is prepared first (interleaved)."""
         steps, heads = phases(plan, backward=True), pipeline(core, P, plan, h0)
         p2p, outs, n = P2P(group), [], plan.num_segments
-        dht, dh0 = torch.zeros_like(h0), torch.zeros_like(h0)
+        # dh0: rows set by keep_starts, the only ones read
+        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device), torch.empty_like(h0)
         B = None if steps[0].span else core.backward_prepare(P, 0, n, h0, do)
         for ph in steps:
             arrivals = [_receive(p2p, ph.recv, plan.succ, dht, hs) for hs in heads]

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from megatron_kcp.parallel.core import Prepared
+from megatron_kcp.parallel.core import Prepared, zeroed_states
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 
@@ -21,7 +21,7 @@ class KCPStep(torch.autograd.Function):
         starts = [i for i in range(plan.num_segments) if plan.pred[i] is None]
         live = sorted({c.segment for c in plan.recv_fwd} | (set(starts) if init is not None else set()))
         P = core.prepare(q, k, v, g, beta, plan, scale, use_qk_l2norm, live=frozenset(live))
-        h0 = q.new_zeros(plan.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+        h0 = zeroed_states(core, P, (plan.num_segments, v.shape[2], q.shape[3], v.shape[3]), q.device)
         ix = functools.partial(index_tensor, device=h0.device)      # no list indexing: it syncs the host
         if init is not None:
             h0.index_copy_(0, ix(starts), init.float().index_select(0, ix([plan.seg_seq[i] for i in starts])))
@@ -38,8 +38,12 @@ class KCPStep(torch.autograd.Function):
         *saved, h0_live, extra = ctx.saved_tensors
         plan, core = ctx.plan, ctx.core
         P = Prepared(tuple(saved), plan, ctx.scale, ctx.use_qk_l2norm, live=frozenset(ctx.live))
-        h0 = h0_live.new_zeros(plan.num_segments, *h0_live.shape[1:])
-        h0.index_copy_(0, index_tensor(ctx.live, h0.device), h0_live)
+        shape = (plan.num_segments, *h0_live.shape[1:])
+        if ctx.live or not core.sparse_states:
+            h0 = h0_live.new_zeros(shape)
+            h0.index_copy_(0, index_tensor(ctx.live, h0.device), h0_live)
+        else:                       # every initial state is zero: a sparse core reads none (LocalCore)
+            h0 = h0_live.new_empty(shape)
         grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do.contiguous(), extra)
         dq, dk, dv, dg, db = (d.to(t) for d, t in zip(core.finish(P, grads), ctx.dtypes))
         dinit = None

@@ -130,6 +130,10 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
         print(f"{model} {what} W={cp} {n_docs} docs{' (control)' if expect_fail else ''}: y {errs['y']:.1e} "
               f"(bound {bound['y']:.1e}) dx {errs['dx']:.1e} (bound {bound['dx']:.1e}); closest to its bound: "
               f"{worst} {errs[worst]:.1e} (bound {bound[worst]:.1e})", flush=True)
+        gates = [k for k in errs if k.endswith(("A_log", "dt_bias"))]
+        print("  gates (CP error / one-GPU error / RMS of the fp64 gradient):",
+              {k: f"{errs[k]:.1e}/{rel_err(one[k].cpu(), truth[k]):.1e}/{truth[k].pow(2).mean().sqrt():.1e}"
+               for k in gates}, flush=True)
         if errs[worst] > bound[worst]:
             print("  every error against its bound:", {k: f"{errs[k]:.1e}/{bound[k]:.1e}" for k in errs}, flush=True)
     if expect_fail:

@@ -394,6 +394,23 @@ def test_cp_matches_single_gpu(world_size):
     spawn(_cp_vs_single, world_size, layouts, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
 
 
+def _poisoned(layouts, dtype_names):
+    """``_cp_vs_single`` with every uninitialised tensor NaN (torch's deterministic mode fills them)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _cp_vs_single(layouts, dtype_names, None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_reads_no_unzeroed_state_rows(world_size):
+    """fla's core zeroes only the state rows its passes read (``LocalCore.sparse_states``): with every
+    tensor that is allocated and not written NaN, the CP suite (bf16, fla's core) still matches, so no
+    pass reads a row that nobody zeroed or wrote. ``KCP_GPU_LAYOUTS`` and ``KCP_GPU_MODELS`` apply."""
+    if BACKEND != "fla":
+        pytest.skip("fla's core only: the other cores zero every row")
+    layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
+    spawn(_poisoned, world_size, layouts, ["bfloat16"])
+
+
 def _head_groups(layouts, G):
     """The relay with its passes pipelined over G head groups (``KCP_RELAY_GROUPS``) against G = 1, on
     fla's core (GDN and KDA) and flash-qla's (GDN, where it runs), bf16: the same kernels on fewer heads
