@@ -67,7 +67,11 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     rounding of such sums: the one-device run's own errors reach it, and where the crossing
     document's chunk grid moves, CP draws that rounding afresh. The output
     and input gradient keep the tight bound, so the off-by-one control, which moves the block's output
-    only a little (the residual stream carries most of it), still misses by 10x."""
+    only a little (the residual stream carries most of it), still misses by 10x. On a GPU it also
+    prints the gates' gradients (``dt_bias``, ``A_log``) against one GPU's: GDN's carry the TF32
+    rounding of fla's backward on Hopper, as large as their cancelling sum, so 1.5x one GPU's error
+    bounds them loosely there; the op-level CP suite bounds their per-token source, ``dg``
+    (BENCHMARKS.md, the GPU CP suite)."""
     import dataclasses
 
     import torch.distributed as dist
