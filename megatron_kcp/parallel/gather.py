@@ -33,8 +33,16 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     (``chunk_cp_fwd_bwd_kernel_merge``, the kernel of fla's intra-card CP: a program per sequence,
     head and value block walks its chain; products in TF32x3, near fp32): a chain of parts is as
     long as a sequence has parts (64 for 1M tokens over W = 8 in parts of 16384), and a launch a
-    step would leave the step waiting for its host. Elsewhere :func:`fold_reference`."""
+    step would leave the step waiting for its host. Elsewhere :func:`fold_reference`. Where every
+    chain has one source (each crossing document in two pieces: the contiguous layout at W = 2, where
+    the mixers convert to), a chain's state is its source's H, and the fold is two index copies."""
     if not chains:
+        return
+    if all(len(c.sources) == 1 for c in chains):
+        V = out.shape[-1]
+        rows = index_tensor([r * gathered.shape[1] + s for c in chains for r, s in c.sources], out.device)
+        out.index_copy_(0, index_tensor([c.segment for c in chains], out.device),
+                        gathered.flatten(0, 1)[..., :V].index_select(0, rows))
         return
     (fold_merge if gathered.is_cuda else fold_reference)(gathered, chains, out)
 

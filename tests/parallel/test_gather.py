@@ -88,3 +88,29 @@ def test_fold_on_the_gpu_equals_the_fp64_fold(HV):
             print(f"fold W={W} rank {r} HV={HV}, {max(len(c.sources) for c in chains)} steps: relative error "
                   f"fp32 {err_ref:.1e}, merge kernel {err_merge:.1e}")
             assert err_merge < 2e-5, (r, err_ref, err_merge)
+
+
+def test_fold_of_one_source_chains_takes_the_sources_state():
+    """Where every chain has one source (the contiguous layout at W = 2), ``fold`` copies each source's H
+    without the merge kernel: equal to the PyTorch fold, and no other row is written."""
+    import torch
+
+    from megatron_kcp.parallel import gather
+    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.testing.cases import docs_cu
+    torch.manual_seed(0)
+    seen = 0
+    for r in range(2):
+        plan = build_plan(docs_cu(30, 2, seed=1), "contiguous", 2, r)
+        for chains, slots in ((plan.recv_fwd, plan.num_slots_fwd), (plan.recv_bwd, plan.num_slots_bwd)):
+            if not chains:
+                continue
+            assert all(len(c.sources) == 1 for c in chains)
+            g = torch.randn(2, slots, 2, 4, 4 + 4)
+            want = torch.full((plan.num_segments, 2, 4, 4), float("nan"))
+            got = want.clone()
+            gather.fold_reference(g, chains, want)
+            gather.fold(g, chains, got)
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+            seen += 1
+    assert seen == 2                     # rank 1's forward, rank 0's backward
