@@ -4,6 +4,7 @@ linear layers), equal the same modules at CP = 1: output, input gradient and eve
 The same comparison with the conversion off by one document fails."""
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import pytest
@@ -148,6 +149,8 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
 
 
 def _cases(model, what, docs, control, shape=CPU):
+    """``docs``: the document counts compared; ``control``: the off-by-one control at ``control``
+    documents (0: none)."""
     from megatron_kcp.parallel import relayout
     with mock.patch.dict("os.environ", {"KCP_CONVERT": "1"}):
         for n in docs:
@@ -155,14 +158,23 @@ def _cases(model, what, docs, control, shape=CPU):
         if control:              # a permutation off by one document: needs more than one document
             relayout.route.cache_clear()
             with rolled_by_one_document():
-                _compare(model, what, max(docs), expect_fail=True, shape=shape)
+                _compare(model, what, control, expect_fail=True, shape=shape)
             relayout.route.cache_clear()
+
+
+def _gpu_cases(default: str) -> tuple[tuple[int, ...], int]:
+    """(document counts, control's document count) of a GPU test: ``KCP_GPU_DOCS`` (a comma list of
+    counts and ``control``; default ``default``) cuts a test that runs longer than one device call
+    into parts. The control runs at the largest count of ``default``."""
+    picked = os.environ.get("KCP_GPU_DOCS", default).split(",")
+    docs = tuple(int(x) for x in picked if x != "control")
+    return docs, max(int(x) for x in default.split(",") if x != "control") if "control" in picked else 0
 
 
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_equals_cp1(model, what):
-    spawn(_cases, 2, model, what, (10,), True)
+    spawn(_cases, 2, model, what, (10,), 10)
 
 
 @pytest.mark.slow
@@ -170,16 +182,17 @@ def test_converted_layout_equals_cp1(model, what):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_equals_cp1_1_to_300_documents(model, what, world_size):
-    spawn(_cases, world_size, model, what, (1, 10, 100, 300), False)
+    spawn(_cases, world_size, model, what, (1, 10, 100, 300), 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
-    """The same on one GPU (fla's kernels, fp32 with 3xTF32 products), CP ranks over gloo."""
+    """The same on one GPU (fla's kernels, fp32 with 3xTF32 products), CP ranks over gloo
+    (``KCP_GPU_DOCS``: a part of it, :func:`_gpu_cases`)."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
-    spawn(_cases, 2, model, what, (1, 10, 100), True, GPU)
+    spawn(_cases, 2, model, what, *_gpu_cases("1,10,100,control"), GPU)
 
 
 @pytest.mark.gpu
@@ -187,9 +200,10 @@ def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
-    """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control."""
+    """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control. A block takes
+    over ten minutes here: run it in parts, e.g. ``KCP_GPU_DOCS=300`` and ``KCP_GPU_DOCS=control``."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
-    spawn(_cases, 4, model, what, (1, 300), True, GPU)
+    spawn(_cases, 4, model, what, *_gpu_cases("1,300,control"), GPU)
 
 
 def test_conversion_model_against_the_measured_steps(monkeypatch):
