@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suites in one run: versions, the GPU tests (op and mixer level, fla vs reference and
-# CP vs one GPU (also with unwritten memory NaN), the converted layout on THD packs, a rank's step replayed from a CUDA graph) and the
+# CP vs one GPU, also with unwritten memory NaN; the converted layout on THD packs; a rank's step
+# replayed from a CUDA graph) and the
 # CP=4 peak-memory report, with logs and per-case errors written to $OUT
 # (default /tmp/out). Run from the repo root:
 #   bash scripts/device_gpu_checks.sh
