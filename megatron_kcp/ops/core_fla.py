@@ -182,7 +182,7 @@ class _FLACore:
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
     head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
     min_group_heads = MIN_GROUP_HEADS
-    sparse_states = True    # state rows only where _by_state_rows says; fla's recompute in backward_prepare: _h0
+    sparse_states = True    # passes read the rows of state_rows only; backward_prepare reads h0 where _h0 hands it
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):
         """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""
