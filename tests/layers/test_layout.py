@@ -164,8 +164,8 @@ def _cases(model, what, docs, control, shape=CPU):
 
 def _gpu_cases(default: str) -> tuple[tuple[int, ...], int]:
     """(document counts, control's document count) of a GPU test: ``KCP_GPU_DOCS`` (a comma list of
-    counts and ``control``; default ``default``) cuts a test that runs longer than one device call
-    into parts. The control runs at the largest count of ``default``."""
+    counts and ``control``; default ``default``) cuts a long test into parts that run as separate
+    processes. The control runs at the largest count of ``default``."""
     picked = os.environ.get("KCP_GPU_DOCS", default).split(",")
     docs = tuple(int(x) for x in picked if x != "control")
     return docs, max(int(x) for x in default.split(",") if x != "control") if "control" in picked else 0
