@@ -167,6 +167,9 @@ def _gpu_cases(default: str) -> tuple[tuple[int, ...], int]:
     counts and ``control``; default ``default``) cuts a long test into parts that run as separate
     processes. The control runs at the largest count of ``default``."""
     picked = os.environ.get("KCP_GPU_DOCS", default).split(",")
+    if any(x != "control" and not x.isdigit() for x in picked):
+        raise ValueError(f"KCP_GPU_DOCS={','.join(picked)}: give document counts and 'control', comma-separated, "
+                         f"e.g. {default}")
     docs = tuple(int(x) for x in picked if x != "control")
     return docs, max(int(x) for x in default.split(",") if x != "control") if "control" in picked else 0
 
