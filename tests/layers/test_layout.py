@@ -119,10 +119,13 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
         errs = {k: rel_err(got[k], one[k]) for k in got}
         bound = {k: TOL for k in got}
     else:
-        exact = make(1, solo_pg(), dataclasses.replace(shape, device="cpu"))
-        exact.load_state_dict(ref.state_dict())
-        exact = exact.double()
-        truth = results(exact, x.double(), dy.double())
+        solo = solo_pg()                        # a collective: every rank builds it
+
+        def fp64():
+            exact = make(1, solo, dataclasses.replace(shape, device="cpu"))
+            exact.load_state_dict(ref.state_dict())
+            return results(exact.double(), x.double(), dy.double())
+        truth = on_rank0_for_all(fp64)
         for k in ("y", "dx"):
             truth[k] = truth[k][idx]
         got, one, truth = (_pooled(r) for r in (got, one, truth))
@@ -146,6 +149,23 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     else:
         over = {k: (errs[k], bound[k]) for k in errs if errs[k] > bound[k]}
         assert not over, over
+
+
+def on_rank0_for_all(fn):
+    """``fn()`` computed once, on rank 0 with every core of the host, and sent to the other ranks. The
+    GPU tests' fp64 reference runs on the CPU and is the same for every rank: a copy a rank would take
+    W times the cores and the memory (tens of GB for a block at 300 documents)."""
+    import torch.distributed as dist
+    out = [None]
+    if dist.get_rank() == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            out[0] = fn()
+        finally:
+            torch.set_num_threads(threads)
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
 
 
 def _cases(model, what, docs, control, shape=CPU):
