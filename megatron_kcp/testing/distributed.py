@@ -91,6 +91,23 @@ def spawn(fn, world_size: int, *args, tp: int = 1, pp: int = 1):
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
 
 
+def on_rank0_for_all(fn):
+    """``fn()`` computed once, on rank 0 with every core of the host, and sent to the other ranks (inside
+    ``spawn``). For work that is the same on every rank, such as the GPU tests' fp64 reference on the
+    CPU: a copy a rank would take W times the host's cores and memory, and a block of hundreds of
+    documents in fp64 needs gigabytes."""
+    out = [None]
+    if dist.get_rank() == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            out[0] = fn()
+        finally:
+            torch.set_num_threads(threads)
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, rms_floor: float = 0.0) -> float:
     """||a - b|| / ||b||, in fp64. With ``rms_floor``, ||b|| counts as at least that RMS: a gradient
     that is zero in exact arithmetic (a 1-token sequence's gate) is then compared in absolute terms,

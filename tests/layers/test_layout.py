@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron_kcp.testing.distributed import rel_err, spawn
+from megatron_kcp.testing.distributed import on_rank0_for_all, rel_err, spawn
 from megatron_kcp.testing.layers import CPU, GPU, build, config, solo_pg
 from megatron_kcp.testing.cases import docs_cu
 from megatron_kcp.testing.checks import rolled_by_one_document
@@ -151,23 +151,6 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
         assert not over, over
 
 
-def on_rank0_for_all(fn):
-    """``fn()`` computed once, on rank 0 with every core of the host, and sent to the other ranks. The
-    GPU tests' fp64 reference runs on the CPU and is the same for every rank: a copy a rank would take
-    W times the cores and the memory (8.8 GB for a block at 100 documents and W = 4)."""
-    import torch.distributed as dist
-    out = [None]
-    if dist.get_rank() == 0:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or 1)
-        try:
-            out[0] = fn()
-        finally:
-            torch.set_num_threads(threads)
-    dist.broadcast_object_list(out, src=0)
-    return out[0]
-
-
 def _cases(model, what, docs, control, shape=CPU):
     """``docs``: the document counts compared; ``control``: the off-by-one control at ``control``
     documents (0: none)."""
@@ -224,8 +207,8 @@ def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
     """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control. A block's 300
-    documents and its control take three to four minutes each on an H200: where a call's time is
-    short, run them as parts, e.g. ``KCP_GPU_DOCS=300`` and ``KCP_GPU_DOCS=control``."""
+    documents and its control take minutes each: where a call's time is short, run them as parts,
+    e.g. ``KCP_GPU_DOCS=300`` and ``KCP_GPU_DOCS=control``."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_cases, 4, model, what, *_gpu_cases("1,300,control"), GPU)
 
