@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import check_fla
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, state_rows
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, may_be_nonzero, state_rows
 from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
@@ -182,7 +182,7 @@ class _FLACore:
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
     head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
     min_group_heads = MIN_GROUP_HEADS
-    sparse_states = True    # passes read the rows of state_rows only; backward_prepare reads h0 where _h0 hands it
+    state_reads = "rows"    # passes read the rows of state_rows only; backward_prepare reads h0 where _h0 hands it
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):
         """``xs`` on the tokens of segments [lo, hi), and the range's varlen arguments."""
@@ -260,7 +260,7 @@ class _FLACore:
     @staticmethod
     def _h0(P: Prepared, lo, hi, h0):
         """``h0`` of segments [lo, hi) for the backward's state recompute, None where all of them are zero."""
-        return h0 if P.live is None or any(lo <= s < hi for s in P.live) else None
+        return h0 if may_be_nonzero(P, lo, hi) else None
 
     @staticmethod
     def _inputs(q, k, v, g, beta, plan, use_qk_l2norm):

@@ -31,7 +31,7 @@ import torch
 
 from megatron_kcp.environment import check_qla
 from megatron_kcp.ops.core_fla import fla_chunk
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
+from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, may_be_nonzero
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 
@@ -84,7 +84,10 @@ class GDNQLACore:
     # a pass is one scan per head and sequence, latency-bound at the heads a rank holds: a group's pass
     # takes about as long as all heads', so the pipeline does not pay (measured: BENCHMARKS.md)
     min_group_heads = None
-    sparse_states = False        # every state row of a range is read
+    # a pass reads every state row of its range, or none (None to the kernel) where all are zero: with
+    # many documents a rank's range holds hundreds of rows, and on a rank that receives no state (or
+    # sends no gradient) the fill and the kernels' reads of them go
+    state_reads = "nonzero"
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         K = _kernels()
@@ -122,7 +125,7 @@ class GDNQLACore:
         lo, hi = need
         (_, k, v, A, g, beta), cu = self._range(P, lo, hi)
         k, v, A, g, beta = _on_heads(heads, HV, k, v, A, g, beta)
-        (h0,) = _on_heads(heads, HV, h0[lo:hi], dim=1)
+        h0 = _on_heads(heads, HV, h0[lo:hi], dim=1)[0] if may_be_nonzero(P, lo, hi) else None
         _, ht, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0,
                                           output_final_state=True, output_h=False, cu_seqlens=cu)
         return self._rows(ht, segs, lo, hi)
@@ -141,7 +144,8 @@ class GDNQLACore:
     def output(self, P, st: States, lo, hi):
         (q, k, v, A, g, beta), cu = self._range(P, lo, hi)
         o, _, _ = _kernels().fused_gdr_fwd(q=q, k=k, v=v, a=A, g=g, b=beta, scale=P.scale,
-                                           initial_state=st.h0[lo:hi], output_final_state=False,
+                                           initial_state=st.h0[lo:hi] if may_be_nonzero(P, lo, hi) else None,
+                                           output_final_state=False,
                                            output_h=False, cu_seqlens=cu)
         return o
 
@@ -164,8 +168,8 @@ class GDNQLACore:
         final-state gradients travel."""
         (q, k, v, A, g, beta), cu = self._range(P, lo, hi)
         do = do[:, slice(*P.plan.token_range(lo, hi))]
-        h, _, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, initial_state=h0, output_final_state=False,
-                                         output_h=True, cu_seqlens=cu)
+        h, _, _ = _kernels().fused_gdr_h(k=k, v=v, a=A, g=g, b=beta, output_final_state=False, output_h=True,
+                                         initial_state=h0 if may_be_nonzero(P, lo, hi) else None, cu_seqlens=cu)
         return Backward(lo, hi, (q, k, v, g, beta, A, do, h))      # dht: set by backward_state
 
     def backward_state(self, P: Prepared, B: Backward, segs, dht, heads=None):
@@ -181,7 +185,7 @@ class GDNQLACore:
         a = P.plan.token_range(B.lo, B.hi)[0]
         do = B.xs[6][:, slice(*(t - a for t in P.plan.token_range(lo, hi)))]
         q, k, A, g, beta, do = _on_heads(heads, HV, q, k, A, g, beta, do)
-        (dht,) = _on_heads(heads, HV, dht[lo - B.lo:hi - B.lo], dim=1)
+        dht = _on_heads(heads, HV, dht[lo - B.lo:hi - B.lo], dim=1)[0] if may_be_nonzero(P, lo, hi, grad=True) else None
         _, dh0 = _kernels().fused_gdr_dh(q=q, k=k, a=A, g=g, b=beta, do=do, dht=dht,
                                          output_dh0=True, output_dh=False, scale=P.scale, cu_seqlens=cu)
         return self._rows(dh0, segs, lo, hi)
@@ -192,7 +196,8 @@ class GDNQLACore:
         K = _kernels()
         q, k, v, g, beta, A, do, h = B.xs
         _, _, cu = _cu(P.plan, B.lo, B.hi, str(q.device))
-        dq, dk, dv, dg, db, _ = K.fused_gdr_bwd(q=q, k=k, v=v, a=A, g=g, b=beta, do=do, dht=B.dht, h=h,
+        dht = B.dht if may_be_nonzero(P, B.lo, B.hi, grad=True) else None
+        dq, dk, dv, dg, db, _ = K.fused_gdr_bwd(q=q, k=k, v=v, a=A, g=g, b=beta, do=do, dht=dht, h=h,
                                                 scale=P.scale, cu_seqlens=cu)
         H, HV = k.shape[2], v.shape[2]
         if HV > H:       # grouped value heads: q/k gradients summed per q/k head, by flash-qla's kernel

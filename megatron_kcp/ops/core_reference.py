@@ -33,7 +33,7 @@ class ReferenceCore:
     fused = False                # output and backward_rest return what the passes computed
     head_slices = True
     min_group_heads = MIN_GROUP_HEADS
-    sparse_states = False        # every state row of a range is read
+    state_reads = "all"          # every state row of a range is read
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:
         return Prepared((q, k, v, g, beta), plan, scale, use_qk_l2norm, live=live)

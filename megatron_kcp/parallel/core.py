@@ -37,6 +37,7 @@ groups says so with ``head_slices``.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,11 +101,17 @@ class LocalCore(Protocol):
     """Value heads a group needs before its pass runs shorter than all heads' at once (the relay's
     pipeline, :func:`megatron_kcp.parallel.cost_model.pipeline_depth`); None: never on this core."""
 
-    sparse_states: bool
-    """True where ``state`` reads ``h0`` and ``backward_state`` reads ``dht`` only on the rows of
-    :func:`state_rows`, and ``backward_prepare`` reads ``h0`` only on a range that holds a segment of
-    ``P.live`` (every row of it then): a strategy zeroes only those rows (:func:`zeroed_states`).
-    False: every row is read, zero where no state arrived."""
+    state_reads: str
+    """Which rows of the initial states ``h0`` and final-state gradients ``dht`` the passes read, so
+    that a strategy zeroes no more (:func:`zeroed_states`):
+
+    * ``"all"``: every row, zero where no state arrived;
+    * ``"rows"``: ``state`` and ``backward_state`` only the rows of :func:`state_rows`, and
+      ``backward_prepare`` ``h0`` only on a range that holds a segment of ``P.live`` (fla: a pass per
+      set of segments);
+    * ``"nonzero"``: a pass on a range reads every row of it where one can be nonzero
+      (:func:`may_be_nonzero`) and none otherwise (flash-qla: its kernels take None for zero states).
+    """
 
     def prepare(self, q, k, v, g, beta, plan: KCPPlan, scale: float, use_qk_l2norm: bool,
                 live: frozenset | None = None) -> Prepared:
@@ -165,13 +172,37 @@ def _state_rows(plan: KCPPlan, live: frozenset | None) -> tuple[int, ...]:
     return tuple(range(n)) if live is None else tuple(s for s in range(n) if s in live or plan.succ[s] is not None)
 
 
-def zeroed_states(core: LocalCore, P: Prepared, shape: tuple[int, ...], device) -> torch.Tensor:
-    """Initial states or final-state gradients ``shape`` = ``[segments, HV, K, V]`` fp32, zero wherever
-    ``core`` reads a row before a strategy writes it: every row, or on a ``sparse_states`` core only
-    the rows of :func:`state_rows`. A row is HV x K x V fp32 (2 MiB at 32 heads of 128 x 128), so
-    zeroing a few rows instead of hundreds saves a fill of hundreds of MiB a tensor and step."""
+def may_be_nonzero(P: Prepared, lo: int, hi: int, grad: bool = False) -> bool:
+    """Whether a segment of [lo, hi) can have a nonzero initial state (one of ``P.live``: received, or
+    the user's) or, for ``grad``, a nonzero final-state gradient (one whose final state a successor
+    takes). True where ``P.live`` is None (unknown)."""
+    if P.live is None:
+        return True
+    rows = _successors(P.plan) if grad else _sorted(P.live)
+    i = bisect.bisect_left(rows, lo)
+    return i < len(rows) and rows[i] < hi
+
+
+@functools.lru_cache(maxsize=256)
+def _successors(plan: KCPPlan) -> tuple[int, ...]:
+    return tuple(s for s in range(plan.num_segments) if plan.succ[s] is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _sorted(live: frozenset) -> tuple[int, ...]:
+    return tuple(sorted(live))
+
+
+def zeroed_states(core: LocalCore, P: Prepared, shape: tuple[int, ...], device, grad: bool = False) -> torch.Tensor:
+    """Initial states (final-state gradients for ``grad``) ``shape`` = ``[segments, HV, K, V]`` fp32,
+    zero wherever ``core`` reads a row before a strategy writes it (``LocalCore.state_reads``): every
+    row; only the rows of :func:`state_rows`; or none where no row can be nonzero. A row is HV x K x V
+    fp32 (2 MiB at 32 heads of 128 x 128), so zeroing a few rows instead of hundreds saves a fill of
+    hundreds of MiB a tensor and step."""
+    if core.state_reads == "nonzero" and not may_be_nonzero(P, 0, shape[0], grad):
+        return torch.empty(shape, dtype=torch.float32, device=device)
     rows = state_rows(P)
-    if not core.sparse_states or len(rows) == shape[0]:
+    if core.state_reads != "rows" or len(rows) == shape[0]:
         return torch.zeros(shape, dtype=torch.float32, device=device)
     out = torch.empty(shape, dtype=torch.float32, device=device)
     if rows:

@@ -185,7 +185,7 @@ class AllGather(StateExchange):
         n, done = plan.num_segments, []
         B = core.backward_prepare(P, 0, n, h0, do)
         # dh0: rows set by keep_starts, the only ones read
-        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device), torch.empty_like(h0)
+        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device, grad=True), torch.empty_like(h0)
         if not plan.is_local:
             HV, K, V = h0.shape[1:]
             buf = h0.new_zeros(plan.num_slots_bwd, HV, K, V + K)

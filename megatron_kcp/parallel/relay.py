@@ -150,7 +150,7 @@ class Relay(StateExchange):
         steps, heads = phases(plan, backward=True), pipeline(core, P, plan, h0)
         p2p, outs, n = P2P(group), [], plan.num_segments
         # dh0: rows set by keep_starts, the only ones read
-        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device), torch.empty_like(h0)
+        dht, dh0 = zeroed_states(core, P, h0.shape, h0.device, grad=True), torch.empty_like(h0)
         B = None if steps[0].span else core.backward_prepare(P, 0, n, h0, do)
         for ph in steps:
             arrivals = [_receive(p2p, ph.recv, plan.succ, dht, hs) for hs in heads]

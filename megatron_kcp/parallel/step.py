@@ -39,10 +39,10 @@ class KCPStep(torch.autograd.Function):
         plan, core = ctx.plan, ctx.core
         P = Prepared(tuple(saved), plan, ctx.scale, ctx.use_qk_l2norm, live=frozenset(ctx.live))
         shape = (plan.num_segments, *h0_live.shape[1:])
-        if ctx.live or not core.sparse_states:
+        if ctx.live or core.state_reads == "all":
             h0 = h0_live.new_zeros(shape)
             h0.index_copy_(0, index_tensor(ctx.live, h0.device), h0_live)
-        else:                       # every initial state is zero: a sparse core reads none (LocalCore)
+        else:                       # every initial state is zero: the core reads none (LocalCore.state_reads)
             h0 = h0_live.new_empty(shape)
         grads, dh0 = ctx.strategy.backward(core, P, plan, ctx.group, h0, do.contiguous(), extra)
         dq, dk, dv, dg, db = (d.to(t) for d, t in zip(core.finish(P, grads), ctx.dtypes))

@@ -7,7 +7,7 @@ the oracle; the GPU tests check the real kernels against the same oracle. Two li
 invisible to the core: the gate stays per token (the cumsum and its reverse are identities, which
 cancel as the real pair does), and the chunk states ``h`` are the initial states they come from.
 ``fused_gdr_dh`` gets zero values: the initial-state gradient does not depend on v, and its
-contract takes none.
+contract takes none. An initial state or final-state gradient passed as None is zero, as in the kernels.
 """
 from __future__ import annotations
 
@@ -29,14 +29,20 @@ def _grouped(x, v):
     return x.repeat_interleave(v.shape[2] // x.shape[2], dim=2)
 
 
+def _states(k, v, cu, state=None):
+    """``state``, or zero states (one per sequence) where the core passes None, as the kernels take it."""
+    return k.new_zeros(len(cu) - 1, v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32) if state is None else state
+
+
 def fused_gdr_h(k, v, a, g, b, initial_state=None, output_final_state=True, output_h=True, cu_seqlens=None):
+    initial_state = _states(k, v, cu_seqlens, initial_state)
     _, ht = _run(k, k, v, g, b, None, initial_state, cu_seqlens)
     return (initial_state.clone() if output_h else None), (ht.float() if output_final_state else None), None
 
 
 def fused_gdr_fwd(q, k, v, a, g, b, scale=None, initial_state=None, output_final_state=True, output_h=False,
                   cu_seqlens=None):
-    o, ht = _run(q, k, v, g, b, scale, initial_state, cu_seqlens)
+    o, ht = _run(q, k, v, g, b, scale, _states(k, v, cu_seqlens, initial_state), cu_seqlens)
     return o, None, ht.float() if output_final_state else None
 
 
@@ -49,12 +55,13 @@ def _grads(q, k, v, g, b, scale, h0, do, dht, cu):
 
 
 def fused_gdr_dh(q, k, a, g, b, do, dht=None, output_dh0=True, output_dh=True, scale=None, cu_seqlens=None):
+    dht = _states(k, do, cu_seqlens, dht)
     dh0 = _grads(q, k, torch.zeros_like(do), g, b, scale, torch.zeros_like(dht), do, dht, cu_seqlens)[5]
     return None, dh0 if output_dh0 else None
 
 
 def fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=None, cu_seqlens=None):
-    return tuple(_grads(q, k, v, g, b, scale, h, do, dht, cu_seqlens))
+    return tuple(_grads(q, k, v, g, b, scale, h, do, _states(k, v, cu_seqlens, dht), cu_seqlens))
 
 
 def l2norm_fwd(x):

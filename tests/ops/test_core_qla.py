@@ -127,9 +127,50 @@ def _qla_cases(layouts, kinds=("random", "single", "edges", "tiny"), piece=None)
         assert not weak, f"qla {layout} W={W}: without the exchange these still match: {weak}"
 
 
+def _poisoned(*args):
+    """``_qla_cases`` with every tensor that is allocated and not written NaN (torch's deterministic
+    mode fills them): a pass that reads a state row nobody zeroed or wrote shows."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _qla_cases(*args)
+
+
 def test_qla_core_matches_oracle_quick():
-    """The default tier's: W = 2, every layout, random cuts and the long-memory batch with its control."""
-    spawn(_qla_cases, 2, LAYOUTS, ("random",), 8)
+    """The default tier's: W = 2, every layout, random cuts and the long-memory batch with its control,
+    unwritten memory NaN."""
+    spawn(_poisoned, 2, LAYOUTS, ("random",), 8)
+
+
+def _zero_states_passed_as_none():
+    """Each rank's fused kernels on many documents in the contiguous layout (one crosses the edge): the
+    initial states go to the forward's kernels only where one arrives (rank 1), the final-state
+    gradients to the backward's only where one leaves (rank 0); the rest is None."""
+    from unittest import mock
+
+    from megatron_kcp.ops import core_qla, kcp
+    from megatron_kcp.testing import qla_contracts
+    from megatron_kcp.testing.cases import docs_cu, plan_for, shard
+    qla_contracts.install()
+    group, r = cp_group(), dist.get_rank(cp_group())
+    cu = docs_cu(20, 2, seed=3)
+    xs = random_inputs(torch.Generator().manual_seed(0), cu[-1], len(cu) - 1, 2, 4, 8, 6, False)[:5]
+    plan = plan_for(cu, "contiguous", 2, r)
+    K = qla_contracts.kernels()
+    spies = {n: mock.Mock(side_effect=getattr(K, n)) for n in ("fused_gdr_fwd", "fused_gdr_h", "fused_gdr_bwd")}
+    vars(K).update(spies)
+    with mock.patch.object(core_qla, "_kernels", lambda: K):
+        ys = [x.detach().requires_grad_() for x in shard(plan, *xs)]
+        kcp.gated_delta_rule(*ys, plan, group, use_qk_l2norm=True, backend="qla", strategy="gather",
+                             max_segment=0).sum().backward()
+    states = [c.kwargs["initial_state"] for n in ("fused_gdr_fwd", "fused_gdr_h") for c in spies[n].call_args_list
+              if c.kwargs.get("output_h", False) or n == "fused_gdr_fwd"]
+    (grads,) = [c.kwargs["dht"] for c in spies["fused_gdr_bwd"].call_args_list]
+    assert plan.num_segments > 5 and len(states) == 2, (plan.num_segments, len(states))
+    assert all((s is None) == (r == 0) for s in states), [s is None for s in states]
+    assert (grads is None) == (r == 1)
+
+
+def test_zero_states_reach_the_kernels_as_none():
+    spawn(_zero_states_passed_as_none, 2)
 
 
 @pytest.mark.slow

@@ -402,11 +402,10 @@ def _poisoned(layouts, dtype_names):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_reads_no_unzeroed_state_rows(world_size):
-    """fla's core zeroes only the state rows its passes read (``LocalCore.sparse_states``): with every
-    tensor that is allocated and not written NaN, the CP suite (bf16, fla's core) still matches, so no
-    pass reads a row that nobody zeroed or wrote. ``KCP_GPU_LAYOUTS`` and ``KCP_GPU_MODELS`` apply."""
-    if BACKEND != "fla":
-        pytest.skip("fla's core only: the other cores zero every row")
+    """The cores zero only the state rows their passes read (``LocalCore.state_reads``): with every
+    tensor that is allocated and not written NaN, the CP suite (bf16; fla's core, or with
+    ``KCP_GPU_BACKEND=qla`` flash-qla's for GDN) still matches, so no pass reads a row that nobody zeroed
+    or wrote. ``KCP_GPU_LAYOUTS`` and ``KCP_GPU_MODELS`` apply."""
     layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
     spawn(_poisoned, world_size, layouts, ["bfloat16"])
 
