@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test suites in one run: versions, the GPU tests (op and mixer level, fla vs reference and
-# CP vs one GPU, also with unwritten memory NaN; the converted layout on THD packs; a rank's step
+# CP vs one GPU, also with unwritten memory NaN on fla's and flash-qla's cores; the converted layout on THD packs; a rank's step
 # replayed from a CUDA graph) and the
 # CP=4 peak-memory report, with logs and per-case errors written to $OUT
 # (default /tmp/out). Run from the repo root:
@@ -34,6 +34,8 @@ suite ops_w1 tests/ops/test_kcp_cuda.py -k "fla_matches or scattered" &
 suite ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]" &
 suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
 suite ops_poison tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]" &
+(export KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn   # flash-qla's core, where it runs (Hopper+, bf16)
+ suite ops_poison_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]") &
 suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
 suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
 suite layout_mixers tests/layers/test_layout.py -k "equals_cp1_on_gpu and mixer" &
