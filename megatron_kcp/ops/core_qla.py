@@ -85,8 +85,8 @@ class GDNQLACore:
     # takes about as long as all heads', so the pipeline does not pay (measured: BENCHMARKS.md)
     min_group_heads = None
     # a pass reads every state row of its range, or none (None to the kernel) where all are zero: with
-    # many documents a rank's range holds hundreds of rows, and on a rank that receives no state (or
-    # sends no gradient) the fill and the kernels' reads of them go
+    # many documents a range holds hundreds of rows, and a rank that receives no state (or sends no
+    # gradient back) then neither fills nor reads them
     state_reads = "nonzero"
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:

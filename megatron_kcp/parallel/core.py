@@ -178,7 +178,7 @@ def may_be_nonzero(P: Prepared, lo: int, hi: int, grad: bool = False) -> bool:
     takes). True where ``P.live`` is None (unknown)."""
     if P.live is None:
         return True
-    rows = _successors(P.plan) if grad else _sorted(P.live)
+    rows = _successors(P.plan) if grad else _sorted_live(P.live)
     i = bisect.bisect_left(rows, lo)
     return i < len(rows) and rows[i] < hi
 
@@ -189,7 +189,7 @@ def _successors(plan: KCPPlan) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _sorted(live: frozenset) -> tuple[int, ...]:
+def _sorted_live(live: frozenset) -> tuple[int, ...]:
     return tuple(sorted(live))
 
 
