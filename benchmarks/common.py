@@ -66,12 +66,16 @@ def fresh_leaves(xs):
     return [x.detach().clone().requires_grad_() for x in xs]
 
 
-def spawn(fn, W, *args):
-    """fn(rank, W, port, *args) on W processes, with a free port for their rendezvous."""
+def free_port() -> int:
+    """A port free now on 127.0.0.1, for a rendezvous (processes started side by side each get their own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(fn, args=(W, port, *args), nprocs=W, start_method="spawn")
+        return s.getsockname()[1]
+
+
+def spawn(fn, W, *args):
+    """fn(rank, W, port, *args) on W processes, with a free port for their rendezvous."""
+    mp.start_processes(fn, args=(W, free_port(), *args), nprocs=W, start_method="spawn")
 
 
 def init_rank(rank, W, port, device_type) -> torch.device:

@@ -14,7 +14,6 @@ import argparse
 import csv
 import functools
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks.common import free_port  # noqa: E402
 
 COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "err")
 
@@ -41,10 +42,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     torch.cuda.set_device(0)
     from megatron.core import parallel_state as ps
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet

@@ -43,7 +43,6 @@ the GPU is left out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import os
 import statistics
@@ -59,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import simulate  # noqa: E402
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves  # noqa: E402
+from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves  # noqa: E402
 from benchmarks.table import COLUMNS  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan  # noqa: E402
 
@@ -516,8 +515,7 @@ def init_megatron(dev):
     from megatron_kcp.testing import megatron_cpu
     megatron_cpu.enable()
     if not dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ps.initialize_model_parallel()
     if dev.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
