@@ -16,7 +16,7 @@
 #               32k, 128k and 1M tokens, W = 2, against noCP, flash-qla's call, cp2hp, fla's CP and our
 #               step on one head group; then W = 4 to 64 at 128k tokens        single.csv, single-scale.csv
 #   perdoc128k  perdoc.py, 1 to 300 documents at 128k tokens, W = 2, op, mixer and block level  perdoc128k.csv
-#   scale       perdoc.py, op level, 128k tokens, W = 4, 8, 16 and 64                           scale.csv
+#   scale       perdoc.py, op level, 128k tokens, W = 4, 8, 16 and 64 (KCP_PERDOC_CP)           scale.csv
 #   kda         perdoc.py, Kimi-Linear KDA at 32k tokens, W = 2 (the current cost model)       kda32k.csv
 # On a machine of W >= 2 GPUs, the same tables measured (perdoc_measured.py: a rank a GPU, NCCL), not in the
 # default, a process per shape and document count:
@@ -24,10 +24,13 @@
 #   x2-kda      Kimi-Linear KDA, the same                                                      perdoc_x2.csv
 #   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
 #               32k and 128k tokens, also our step captured in a CUDA graph (kcp-graph)         single_x2.csv
-# The x2 stages take a part of their cases for a shorter call: KCP_PERDOC_DOCS (x2-gdn, x2-kda: e.g. "varlen100
-# varlen300"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS (x2-single). KCP_PERDOC_JOBS=N runs their cases in N
-# jobs side by side, each on its share of the machine's GPUs (4 GPUs, N = 2: two W = 2 jobs), each job taking
-# the next case when its last one ends; the other stages run first, one process at a time.
+# A shorter call takes a part of the cases: KCP_PERDOC_DOCS (e.g. "varlen100 varlen300"; perdoc128k, scale, kda
+# then run a process per shape and document count, else one per shape for all four; x2-gdn, x2-kda always one
+# per count), KCP_PERDOC_CP (scale's CP sizes, default "4 8 16 64"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS
+# (x2-single). KCP_PERDOC_JOBS=N runs the cases in N jobs side by side, each on its share of the machine's GPUs
+# (4 GPUs: N = 2 gives two W = 2 jobs, N = 4 four one-GPU jobs for the predicted stages), each job taking the
+# next case, in stage order, when its last one ends. Jobs side by side share the host's CPU: the predicted
+# steps of few heads or short ranks are partly host-bound, so their rows are noisier than a job run alone.
 # Every process's output (whole, once it ends) and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
 # minutes), OUT (default /tmp/out). Timings use fla's full autotuning (KCP_FAST_AUTOTUNE unset); the tuning
@@ -70,7 +73,7 @@ one() {     # stage's CSV name, what the line names, script args...: one process
   } 9> "$OUT/.lock"
   rm -f "$part" "$log"
 }
-queue=()    # the x2 stages' cases, run last by run_queue
+queue=()    # every stage's cases, in stage order, run by run_queue
 enqueue() { queue+=("$(printf '%q ' "$@")"); }
 run_queue() {   # the queued cases over KCP_PERDOC_JOBS jobs, each on its share of the GPUs
   local n=${KCP_PERDOC_JOBS:-1} next="$OUT/.next" gpus=() j
@@ -92,38 +95,44 @@ run_queue() {   # the queued cases over KCP_PERDOC_JOBS jobs, each on its share 
 }
 GDN="qwen3-next qwen3-next-tp2 h64-gdn"
 KDA="kimi-linear h64-kda"
+by_docs() {   # stage name, shape, perdoc.py args...: a case per KCP_PERDOC_DOCS count, else one for all counts
+  local name=$1 sh=$2 d; shift 2
+  if [ -z "${KCP_PERDOC_DOCS:-}" ]; then enqueue "$name" "$sh" benchmarks/perdoc.py --shapes "$sh" "$@"; return; fi
+  for d in $KCP_PERDOC_DOCS; do enqueue "$name" "$sh $d" benchmarks/perdoc.py --shapes "$sh" --docs "$d" "$@"; done
+}
 for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
   case "$s" in
     split)
       for ms in 0 4096; do
         for sh in qwen3-next h64-gdn; do
-          one split "$sh max-segment $ms" benchmarks/host_time.py --shapes "$sh" --tokens 32768 131072 \
+          enqueue split "$sh max-segment $ms" benchmarks/host_time.py --shapes "$sh" --tokens 32768 131072 \
             --max-segment "$ms"
         done
       done ;;
     single)
       for T in 32768 131072 1048576; do
         for sh in $GDN $KDA; do
-          one single "$sh $T" benchmarks/perdoc.py --docs single --levels ops --cp 2 --shapes "$sh" --tokens "$T" \
+          enqueue single "$sh $T" benchmarks/perdoc.py --docs single --levels ops --cp 2 --shapes "$sh" --tokens "$T" \
             --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp
         done
       done
       for sh in qwen3-next kimi-linear h64-gdn; do
-        one single-scale "$sh" benchmarks/perdoc.py --docs single --levels ops --cp 4 8 16 64 --shapes "$sh" \
+        enqueue single-scale "$sh" benchmarks/perdoc.py --docs single --levels ops --cp 4 8 16 64 --shapes "$sh" \
           --tokens 131072 --methods noCP noCP-qla fla-cp kcp-unpipelined kcp
       done ;;
     perdoc128k)
       for sh in qwen3-next kimi-linear; do
-        one perdoc128k "$sh" benchmarks/perdoc.py --shapes "$sh" --tokens 131072 --cp 2 \
+        by_docs perdoc128k "$sh" --tokens 131072 --cp 2 \
           --methods noCP noCP-qla cp2hp cp2hp-qla mlm-chunkwise kcp-noconvert kcp
       done ;;
     scale)
+      read -r -a sizes <<< "${KCP_PERDOC_CP:-4 8 16 64}"
       for sh in qwen3-next kimi-linear; do
-        one scale "$sh" benchmarks/perdoc.py --shapes "$sh" --tokens 131072 --cp 4 8 16 64 --levels ops \
+        by_docs scale "$sh" --tokens 131072 --cp "${sizes[@]}" --levels ops \
           --methods noCP noCP-qla cp2hp mlm-chunkwise kcp-noconvert kcp
       done ;;
     kda)
-      one kda32k kimi-linear benchmarks/perdoc.py --shapes kimi-linear --tokens 32768 --cp 2 ;;
+      by_docs kda32k kimi-linear --tokens 32768 --cp 2 ;;
     x2-gdn|x2-kda)
       sh=$([ "$s" = x2-gdn ] && echo qwen3-next || echo kimi-linear)
       for d in ${KCP_PERDOC_DOCS:-single varlen varlen100 varlen300}; do

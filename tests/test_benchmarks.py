@@ -395,6 +395,16 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "epoch seconds" in run.stderr, run.stderr
+    # the predicted stages: a case per shape and document count where KCP_PERDOC_DOCS is set, in stage order
+    env.update(KCP_PERDOC_STAGES="perdoc128k scale kda", KCP_PERDOC_UNTIL="1")
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "log.txt").read_text().splitlines()[2:] == [
+        f"{stage} {sh} {d}: not started (KCP_PERDOC_UNTIL)"
+        for stage, shapes in (("perdoc128k", ("qwen3-next", "kimi-linear")), ("scale", ("qwen3-next", "kimi-linear")),
+                              ("kda32k", ("kimi-linear",)))
+        for sh in shapes for d in ("varlen", "varlen100")]
     env.update(KCP_PERDOC_UNTIL="1", KCP_PERDOC_JOBS="two")
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
