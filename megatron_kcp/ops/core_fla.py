@@ -137,25 +137,33 @@ def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale)
     return _pick(dh0, sel)
 
 
-def _by_state_rows(P, segs) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the segments of ``segs`` whose pass needs state rows, the others). A segment reads its initial
-    state (writes its gradient) only where it can be nonzero (``P.live``: received, or the user's) and
-    writes its final state (reads its gradient) only where a successor takes it (``state_rows``):
-    with many documents most segments need neither, and a state row is HV x K x V fp32 each way."""
+def _by_state_rows(P, segs) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(the segments of ``segs`` whose pass needs state rows, the others, the former's positions in
+    ``segs``). A segment reads its initial state (writes its gradient) only where it can be nonzero
+    (``P.live``: received, or the user's) and writes its final state (reads its gradient) only where a
+    successor takes it (``state_rows``): with many documents most segments need neither, and a state
+    row is HV x K x V fp32 each way."""
+    segs = tuple(segs)
     if P.live is None:
-        return tuple(segs), ()
-    need = set(state_rows(P))
-    return tuple(s for s in segs if s in need), tuple(s for s in segs if s not in need)
+        return segs, (), tuple(range(len(segs)))
+    return _split_by_rows(state_rows(P), segs)
 
 
-def _in_order(out, rows, segs, like):
-    """A row per segment of ``segs`` from the rows of ``rows`` (the others' rows undefined: nobody reads them)."""
-    if rows == tuple(segs):
+@functools.lru_cache(maxsize=256)
+def _split_by_rows(rows: tuple[int, ...], segs: tuple[int, ...]):
+    need = set(rows)                       # once per plan and range: a rank holds hundreds of segments
+    at = tuple(j for j, s in enumerate(segs) if s in need)
+    return tuple(segs[j] for j in at), tuple(s for s in segs if s not in need), at
+
+
+def _in_order(out, at: tuple[int, ...], n: int, like):
+    """A row per segment of a range of ``n`` from ``out``, the rows of the segments at positions ``at``
+    (the others' rows undefined: nobody reads them)."""
+    if len(at) == n:
         return out
-    full = like.new_empty(len(segs), *like.shape[1:])
-    if rows:
-        pos = {s: j for j, s in enumerate(segs)}
-        full.index_copy_(0, index_tensor([pos[s] for s in rows], full.device), out)
+    full = like.new_empty(n, *like.shape[1:])
+    if at:
+        full.index_copy_(0, index_tensor(at, full.device), out)
     return full
 
 
@@ -217,11 +225,11 @@ class _FLACore:
         inputs on its tokens, ``h0`` a row per segment, ``h`` and ``v_new`` the buffers on its chunks
         and tokens."""
         dev = str(h0.device)
-        rows, free = _by_state_rows(P, segs)
+        rows, free, at = _by_state_rows(P, segs)
         out = state_pass(_selection(P.plan, lo, hi, rows, dev), *xs, h0, h, v_new) if rows else None
         if free:
             state_pass(_selection(P.plan, lo, hi, free, dev), *xs, None, h, v_new)
-        return _in_order(out, rows, segs, h0)
+        return _in_order(out, at, len(rows) + len(free), h0)
 
     def maps(self, P: Prepared, segs):
         """fla's CP pre-process on the state pass's inputs (scalar gate for GDN, per-key gate for KDA)."""
@@ -249,13 +257,13 @@ class _FLACore:
         """``backward_state`` on the range's tensors: ``xs`` the state-gradient pass's inputs, ``dv``
         the local value gradient, ``dht`` a row per segment, ``dh`` and ``dv2`` the buffers written."""
         dev = str(dht.device)
-        rows, free = _by_state_rows(P, segs)
+        rows, free, at = _by_state_rows(P, segs)
         out = None
         if rows:
             out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, dv, dht, dh, dv2, P.scale)
         if free:
             state_grad_pass(_selection(P.plan, B.lo, B.hi, free, dev), *xs, dv, None, dh, dv2, P.scale)
-        return _in_order(out, rows, segs, dht)
+        return _in_order(out, at, len(rows) + len(free), dht)
 
     @staticmethod
     def _h0(P: Prepared, lo, hi, h0):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from megatron_kcp.ops import core_fla
 from megatron_kcp.parallel.core import Prepared
@@ -52,11 +53,25 @@ def test_passes_skip_state_rows_nobody_needs():
     plan = build_plan(CU, "contiguous", 2, 0, 1)
     n = plan.num_segments
     P = Prepared((), plan, 1.0, False, live=frozenset())
-    rows, free = core_fla._by_state_rows(P, range(n))
+    rows, free, at = core_fla._by_state_rows(P, range(n))
     # rank 0 of two: only the segment its sequence continues from on rank 1 hands a state on
     assert rows == tuple(i for i in range(n) if plan.succ[i] is not None) and len(rows) == 1
     assert set(rows) | set(free) == set(range(n)) and not set(rows) & set(free)
+    assert at == rows                          # positions in range(n) are the segments themselves
     P.live = frozenset({0})
     assert core_fla._by_state_rows(P, range(n))[0] == tuple(sorted({0, *rows}))
+    # a part of the range: positions are within the part
+    part = tuple(range(1, n))
+    rows, free, at = core_fla._by_state_rows(P, part)
+    assert [part[j] for j in at] == list(rows) and 0 not in rows + free
     P.live = None                              # unknown: every segment reads and writes its rows
-    assert core_fla._by_state_rows(P, range(n)) == (tuple(range(n)), ())
+    assert core_fla._by_state_rows(P, range(n)) == (tuple(range(n)), (), tuple(range(n)))
+
+
+def test_rows_in_order_of_the_range():
+    """A pass over some rows of a range returns a row per segment of the range, each in its place."""
+    like = torch.zeros(4, 2)
+    out = torch.tensor([[1.0, 1.0], [3.0, 3.0]])
+    full = core_fla._in_order(out, (1, 3), 4, like)
+    assert full.shape == (4, 2) and full[1].tolist() == [1.0, 1.0] and full[3].tolist() == [3.0, 3.0]
+    assert core_fla._in_order(out, (0, 1), 2, like) is out     # every row: the pass's own tensor
