@@ -48,6 +48,15 @@ if [[ ! "${KCP_PERDOC_JOBS:-1}" =~ ^[1-9][0-9]*$ ]]; then
   echo "KCP_PERDOC_JOBS=$KCP_PERDOC_JOBS: give a number of jobs, e.g. 2 on a machine of 4 GPUs" >&2
   exit 2
 fi
+if [[ ! "${KCP_PERDOC_CP:-4}" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]]; then
+  echo "KCP_PERDOC_CP=$KCP_PERDOC_CP: give CP sizes separated by spaces, e.g. \"32 64\"" >&2
+  exit 2
+fi
+for d in ${KCP_PERDOC_DOCS:-}; do
+  case "$d" in single|varlen|varlen100|varlen300) ;;
+    *) echo "KCP_PERDOC_DOCS has $d: use single, varlen, varlen100 or varlen300, separated by spaces" >&2; exit 2 ;;
+  esac
+done
 source scripts/device_cache.sh
 limit="${KCP_PERDOC_LIMIT:-240}"
 read -r -a extra <<< "${KCP_PERDOC_EXTRA:-}"

@@ -409,6 +409,12 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "number of jobs" in run.stderr, run.stderr
+    for bad, says in ({"KCP_PERDOC_JOBS": "1", "KCP_PERDOC_CP": "4,8"}, "CP sizes separated by spaces"), \
+            ({"KCP_PERDOC_CP": "4 8", "KCP_PERDOC_DOCS": "varlen 100"}, "use single, varlen, varlen100"):
+        env.update(bad)
+        run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stderr, run.stderr
 
 
 @pytest.mark.slow
