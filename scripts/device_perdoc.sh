@@ -20,16 +20,18 @@
 #   kda         perdoc.py, Kimi-Linear KDA at 32k tokens, W = 2 (the current cost model)       kda32k.csv
 # On a machine of W >= 2 GPUs, the same tables measured (perdoc_measured.py: a rank a GPU, NCCL), not in the
 # default, a process per shape and document count:
-#   x2-gdn      Qwen3-Next GDN, 1 to 300 documents at 32k tokens, op, mixer and block level   perdoc_x2.csv
+#   x2-gdn      Qwen3-Next GDN, 1 to 300 documents at 32k tokens (KCP_PERDOC_TOKENS), op, mixer and block
+#               level                                                                           perdoc_x2.csv
 #   x2-kda      Kimi-Linear KDA, the same                                                      perdoc_x2.csv
 #   x2-single   one sequence, op level: Qwen3-Next GDN at TP = 1 and 2, H = 64 GDN, Kimi-Linear KDA,
 #               32k and 128k tokens, also our step captured in a CUDA graph (kcp-graph)         single_x2.csv
 # A shorter call takes a part of the cases: KCP_PERDOC_DOCS (e.g. "varlen100 varlen300"; perdoc128k, scale, kda
 # then run a process per shape and document count, else one per shape for all four; x2-gdn, x2-kda always one
-# per count), KCP_PERDOC_CP (scale's CP sizes, default "4 8 16 64"), KCP_PERDOC_SHAPES and KCP_PERDOC_TOKENS
-# (x2-single). KCP_PERDOC_JOBS=N runs the cases in N jobs side by side, each on its share of the machine's GPUs
-# (4 GPUs: N = 2 gives two W = 2 jobs, N = 4 four one-GPU jobs for the predicted stages), each job taking the
-# next case, in stage order, when its last one ends. Jobs side by side share the host's CPU: the predicted
+# per count), KCP_PERDOC_CP (scale's CP sizes, default "4 8 16 64"), KCP_PERDOC_TOKENS (x2-gdn, x2-kda: default
+# 32768; x2-single: default "32768 131072") and KCP_PERDOC_SHAPES (x2-single). KCP_PERDOC_JOBS=N runs the
+# cases in N jobs side by side, each on its share of the machine's GPUs (4 GPUs: N = 2 gives two W = 2 jobs,
+# N = 4 four one-GPU jobs for the predicted stages), each job taking the next case, in stage order, when its
+# last one ends. Jobs side by side share the host's CPU: the predicted
 # steps of few heads or short ranks are partly host-bound, so their rows are noisier than a job run alone.
 # Every process's output (whole, once it ends) and a line per process (exit status, seconds) go to log.txt.
 # Env: KCP_PERDOC_EXTRA (more arguments for both scripts; --smoke walks the stages on a CPU in a few
@@ -144,8 +146,10 @@ for s in ${KCP_PERDOC_STAGES:-split single perdoc128k scale kda}; do
       by_docs kda32k kimi-linear --tokens 32768 --cp 2 ;;
     x2-gdn|x2-kda)
       sh=$([ "$s" = x2-gdn ] && echo qwen3-next || echo kimi-linear)
-      for d in ${KCP_PERDOC_DOCS:-single varlen varlen100 varlen300}; do
-        enqueue perdoc_x2 "$sh $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens 32768 --docs "$d"
+      for T in ${KCP_PERDOC_TOKENS:-32768}; do
+        for d in ${KCP_PERDOC_DOCS:-single varlen varlen100 varlen300}; do
+          enqueue perdoc_x2 "$sh $T $d" benchmarks/perdoc_measured.py --shapes "$sh" --tokens "$T" --docs "$d"
+        done
       done ;;
     x2-single)
       for T in ${KCP_PERDOC_TOKENS:-32768 131072}; do

@@ -389,8 +389,16 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "log.txt").read_text().splitlines() == [
-        f"perdoc_x2 kimi-linear {d}: not started (KCP_PERDOC_UNTIL)" for d in ("varlen", "varlen100")]
+        f"perdoc_x2 kimi-linear 32768 {d}: not started (KCP_PERDOC_UNTIL)" for d in ("varlen", "varlen100")]
     assert not (tmp_path / "perdoc_x2.csv").exists()
+    (tmp_path / "log.txt").unlink()       # the measured stages at other lengths: a case per length and count
+    run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")],
+                         env={**env, "KCP_PERDOC_TOKENS": "32768 131072"}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "log.txt").read_text().splitlines() == [
+        f"perdoc_x2 kimi-linear {T} {d}: not started (KCP_PERDOC_UNTIL)"
+        for T in (32768, 131072) for d in ("varlen", "varlen100")]
+    (tmp_path / "log.txt").unlink()
     env["KCP_PERDOC_UNTIL"] = "soon"
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
@@ -400,7 +408,7 @@ def test_device_perdoc_starts_no_case_past_its_deadline(tmp_path):
     run = subprocess.run(["bash", str(BENCH.parent / "scripts" / "device_perdoc.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "log.txt").read_text().splitlines()[2:] == [
+    assert (tmp_path / "log.txt").read_text().splitlines() == [
         f"{stage} {sh} {d}: not started (KCP_PERDOC_UNTIL)"
         for stage, shapes in (("perdoc128k", ("qwen3-next", "kimi-linear")), ("scale", ("qwen3-next", "kimi-linear")),
                               ("kda32k", ("kimi-linear",)))
