@@ -29,20 +29,23 @@ from megatron_kcp.parallel.plan import KCPPlan, all_plans
 
 STRATEGIES = ("relay", "gather")
 STATE_PASS = 4e-8          # s per token of a state pass (fla, H200, H = 64)
+STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 MAP_PASS = 4.4             # a transition-map pass against a state pass over the same tokens
 ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 # what a sequence cut over ranks costs beyond its chain's state passes, per cut (hop) and step (fwd+bwd):
-# the per-document zigzag against the contiguous layout, relay, W = 2, K = V = 128 (ops_h200x2.csv:
-# 1, 10 and 100 documents at H = 16 and 64): segments too short to fill the kernels' chunks, one more
-# phase of launches, a state each way
-HOP, HOP_HEAD = 37e-6, 0.65e-6
+# segments too short to fill the kernels' chunks, a state written and read each way. HOP_HEAD, the
+# slope in the heads, is fitted on the per-document zigzag against the contiguous layout at H = 16 and
+# 64 (ops_h200x2.csv); HOP on the measured KDA op rows at 32 heads, 32k and 128k tokens, 100 and 300
+# documents (perdoc_h200x2.csv): our step left on the layout against ours on the same documents laid
+# out contiguously, less the modelled exchange (:func:`costs`), least squares over the cuts: 29.6 us a
+# cut at 32 heads (tests/layers/test_layout.py::test_cut_price_fits_the_measured_rows)
+HOP, HOP_HEAD = 9e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
 # bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
 # buffer, put in place on arrival), a third of the link's BW: fitted on the measured op rows of
 # benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
 # contiguous documents (BENCHMARKS.md, packed documents measured)
 CONVERT_BW = 100e9
-STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 # the relay's pipeline over head groups
 GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
 # value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
