@@ -94,12 +94,13 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
     if max_segment is not None and max_segment < 0:
         raise ValueError(f"max_segment must be >= 0 (0: segments not split; None: the kernels' pick), "
                          f"got {max_segment}")
-    return _decide(plan, q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]), v.shape[2], backend, strategy,
-                   max_segment, (os.environ.get("KCP_STRATEGY"), os.environ.get(CONVERT_ENV)))
+    return _decide(plan, q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]), v.shape[2], q.shape[2], backend,
+                   strategy, max_segment, (os.environ.get("KCP_STRATEGY"), os.environ.get(CONVERT_ENV)))
 
 
 @functools.lru_cache(maxsize=256)
-def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy, max_segment, forced) -> Dispatch:
+def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, strategy, max_segment,
+            forced) -> Dispatch:
     cuda, W = device.type == "cuda", plan.world_size
     if strategy == "cp2hp" and W > 1:
         if max_segment:
@@ -114,9 +115,9 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy,
         strategy = "auto"                # one rank: nothing to spread over heads
     if W > 1 and strategy in ("auto", "convert") and plan.layout != "contiguous":
         if strategy == "convert" or convert_pays(plan.global_cu_seqlens, plan.layout, W, value_heads, head_dims[1],
-                                                 op_bytes_per_token(value_heads, head_dims, kda, dtype), 4):
-            inner = _decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads, backend,
-                            "auto", max_segment, forced)
+                                                 op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4):
+            inner = _decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads, qk_heads,
+                            backend, "auto", max_segment, forced)
             return dataclasses.replace(inner, layout="contiguous")
     elif strategy == "convert":
         strategy = "auto"                # nothing to convert
@@ -146,12 +147,13 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, backend, strategy,
     return Dispatch(backend, name, 0)
 
 
-def op_bytes_per_token(value_heads: int, head_dims: tuple[int, int], kda: bool, dtype: torch.dtype) -> int:
-    """Bytes per token the op's conversion moves in a step: q, k, v, g (fp32), beta and o forward, their
-    gradients backward. ``value_heads`` stands in for the q/k heads too (an upper bound with grouped heads)."""
+def op_bytes_per_token(qk_heads: int, value_heads: int, head_dims: tuple[int, int], kda: bool,
+                       dtype: torch.dtype) -> int:
+    """Bytes per token the op's conversion moves in a step: q and k (``qk_heads``), v, g (fp32), beta and o
+    (``value_heads``) forward, their gradients backward."""
     K, V = head_dims
     e = torch.finfo(dtype).bits // 8
-    return 2 * value_heads * ((2 * K + 2 * V + 1) * e + (K if kda else 1) * 4)
+    return 2 * (qk_heads * 2 * K * e + value_heads * ((2 * V + 1) * e + (K if kda else 1) * 4))
 
 
 def qla_worth(plan: KCPPlan, value_heads: int) -> bool:

@@ -241,7 +241,8 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
         if len(ms) < 2:
             continue
         s, run = shape[model], {"ops": None, "mixer": 1, "block": 3}[level]
-        per_token, messages = ((op_bytes_per_token(s.HV, (s.K, s.K), model == "KDA", torch.bfloat16), 4) if run is None
+        kda = model == "KDA"
+        per_token, messages = ((op_bytes_per_token(s.H, s.HV, (s.K, s.K), kda, torch.bfloat16), 4) if run is None
                                else run_traffic(s.hidden * 2, run))
         pick = convert_pays(cu_seqlens(docs, T, pad=4), "zigzag_per_doc", 2, s.HV, s.K, per_token, messages)
         picks.append((level, model, docs, pick, ms[pick] / min(ms.values())))
