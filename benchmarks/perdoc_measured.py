@@ -21,8 +21,10 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   Megatron-LM dev's scheme, an all-to-all of the op's inputs to the contiguous layout, fla's CP call
   (``build_cp_context``) and back; ``fla-cp``: fla's CP call on the same documents fed contiguous;
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
-  default, its pick in ``note``); ``kcp-graph`` (asked for by name): the default's step with its exchange
-  captured once in a CUDA graph and replayed (the plan's documents fixed, as capture needs);
+  default, its pick in ``note``); ``kcp-convert`` (by name): ours converting the op's inputs
+  (``KCP_CONVERT=1``), to time the pick the cost model did not make; ``kcp-graph`` (by name): the
+  default's step with its exchange captured once in a CUDA graph and replayed (the plan's documents
+  fixed, as capture needs);
   ``kcp-foldloop`` and ``kcp-ownstart`` (by name): the default with one part changed, as in perdoc.py
   (``perdoc.peer``); ``kcp-ownstart-graph``: the second captured, the peer of ``kcp-graph``.
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
@@ -66,8 +68,9 @@ from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E4
 
 LEVELS = ("ops", "mixer", "block")
 # ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart-graph, the peer
-# kcp-ownstart captured; the peers perdoc.BY_NAME
-ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", *perdoc.BY_NAME)
+# kcp-ownstart captured; kcp-convert, our op converting its inputs whatever the cost model says
+# (KCP_CONVERT=1: the pick it did not make, to check it); the peers perdoc.BY_NAME
+ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", "kcp-convert", *perdoc.BY_NAME)
 METHODS = (*perdoc.METHODS, *ONLY_OPS)
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
@@ -91,7 +94,8 @@ def env(**values):
 def method_env(method: str) -> dict:
     """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, and our overrides."""
     return {"FLA_FLASH_QLA": "1" if method in QLA else "0",
-            "KCP_CONVERT": "0" if method == "kcp-noconvert" else "1" if method == "mlm-chunkwise" else None,
+            "KCP_CONVERT": "0" if method == "kcp-noconvert" else "1" if method in ("mlm-chunkwise", "kcp-convert")
+            else None,
             "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None}
 
 
@@ -296,6 +300,7 @@ def ops_level(c: Case, args):
         "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
                                        pick_note),
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-convert": lambda: run("kcp-convert", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
         "kcp-ownstart-graph": lambda: under(perdoc.peer("kcp-ownstart"), graphed, "kcp-ownstart-graph",

@@ -303,6 +303,17 @@ def test_perdoc_measured_smoke_runs_every_method_as_the_same_function(tmp_path):
     assert note["KDA", "varlen", "mixer", "kcp-noconvert"] == "0 hidden-state all-to-alls a forward"
 
 
+def test_perdoc_measured_times_the_conversion_by_name(tmp_path):
+    """--methods kcp-convert: our op converting its inputs where the cost model would not (one document)."""
+    path = tmp_path / "measured.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--shapes", "kimi-linear",
+                          "--docs", "single", "--levels", "ops", "--methods", "kcp", "kcp-convert", "--csv",
+                          str(path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    note = {r["method"]: r["note"] for r in csv.DictReader(path.open()) if r["ms"]}
+    assert "contiguous layout" not in note["kcp"] and "in the contiguous layout" in note["kcp-convert"], note
+
+
 def test_perdoc_measured_profiles_every_rank():
     """--profile: each rank prints its profile of the named method's step, in rank order."""
     run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--shapes", "qwen3-next",
