@@ -37,8 +37,8 @@ ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
 # slope in the heads, is fitted on the per-document zigzag against the contiguous layout at H = 16 and
 # 64 (ops_h200x2.csv); HOP on the measured KDA op rows at 32 heads, 32k and 128k tokens, 100 and 300
 # documents (perdoc_h200x2.csv): our step left on the layout against ours on the same documents laid
-# out contiguously, less the modelled exchange (:func:`costs`), least squares over the cuts: 29.6 us a
-# cut at 32 heads (tests/layers/test_layout.py::test_cut_price_fits_the_measured_rows)
+# out contiguously, less the modelled exchange (:func:`costs`), least squares over the cuts, taken as
+# HOP + 32 HOP_HEAD (tests/layers/test_layout.py::test_cut_price_fits_the_measured_rows)
 HOP, HOP_HEAD = 9e-6, 0.65e-6
 CONVERT_ENV = "KCP_CONVERT"
 # bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
