@@ -99,10 +99,16 @@ def layout_cost(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads
     two directions (:func:`costs`) and the price of every cut of a sequence (``HOP``, ``HOP_HEAD``)."""
     if world_size == 1:
         return 0.0
-    hops = sum(n - 1 for p in all_plans(cu_seqlens, layout, world_size) for i, n in enumerate(p.num_stages)
-               if p.stage[i] == 0)
     relay, gather = costs(cu_seqlens, layout, world_size, heads, head_dim)
-    return 2 * min(relay, gather) + hops * (HOP + HOP_HEAD * heads * (head_dim / 128) ** 2)
+    return 2 * min(relay, gather) + cuts(cu_seqlens, layout, world_size) * (
+        HOP + HOP_HEAD * heads * (head_dim / 128) ** 2)
+
+
+@functools.lru_cache(maxsize=256)
+def cuts(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> int:
+    """How many times ``layout`` cuts the sequences over ranks: a sequence of n pieces, n - 1."""
+    return sum(n - 1 for p in all_plans(cu_seqlens, layout, world_size) for i, n in enumerate(p.num_stages)
+               if p.stage[i] == 0)
 
 
 def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float) -> float:

@@ -274,8 +274,7 @@ def test_cut_price_fits_the_measured_rows():
         cu = cu_seqlens(docs, T, pad=4)
         contiguous = (m["kcp+converted"] - (m["mlm-chunkwise"] - m["fla-cp"]) if "kcp+converted" in m
                       else m["fla-cp"])
-        cuts = sum(n - 1 for p in cost_model.all_plans(cu, "zigzag_per_doc", 2) for i, n in enumerate(p.num_stages)
-                   if p.stage[i] == 0)
+        cuts = cost_model.cuts(cu, "zigzag_per_doc", 2)
         exchange = [2 * min(cost_model.costs(cu, layout, 2, 32)) for layout in ("zigzag_per_doc", "contiguous")]
         num += cuts * ((m["kcp-noconvert"] - contiguous) * 1e-3 - (exchange[0] - exchange[1]))
         den += cuts * cuts
