@@ -14,8 +14,9 @@ rank's own tokens.
 * The layout (``strategy="auto"`` or ``"convert"``): on a zigzag layout (Megatron's per-document one
   above all), the stream moves to the contiguous layout and back around the exchange where the cost
   model says the fewer crossing documents pay for the all-to-alls
-  (:func:`megatron_kcp.parallel.cost_model.convert_pays`); core, strategy and split are then decided
-  on the contiguous plan.
+  (:func:`megatron_kcp.parallel.cost_model.convert_pays`), the difference of the cores either
+  layout runs included (flash-qla's where the contiguous layout allows it, fla's where Megatron's
+  leaves a rank too many segments); core, strategy and split are then decided on the contiguous plan.
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
   segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
@@ -31,7 +32,7 @@ import torch
 
 from megatron_kcp.environment import qla_runs
 from megatron_kcp.parallel.convert import ConvertLayout, target_plan
-from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, needs_maps
+from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, core_saving, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
 from megatron_kcp.parallel.gather import AllGather
 from megatron_kcp.parallel.plan import KCPPlan, all_plans
@@ -114,13 +115,18 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
     if strategy == "cp2hp":
         strategy = "auto"                # one rank: nothing to spread over heads
     if W > 1 and strategy in ("auto", "convert") and plan.layout != "contiguous":
-        if strategy == "convert" or convert_pays(plan.global_cu_seqlens, plan.layout, W, value_heads, head_dims[1],
-                                                 op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4):
-            inner = _decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads, qk_heads,
-                            backend, "auto", max_segment, forced)
-            return dataclasses.replace(inner, layout="contiguous")
-    elif strategy == "convert":
-        strategy = "auto"                # nothing to convert
+        moved = dataclasses.replace(_decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads,
+                                            qk_heads, backend, "auto", max_segment, forced), layout="contiguous")
+        if strategy == "convert":
+            return moved
+        stay = _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, "stay", max_segment, forced)
+        cu = plan.global_cu_seqlens
+        saves = core_saving(stay.core, moved.core, -(-cu[-1] // W), value_heads, head_dims[1])
+        return moved if convert_pays(cu, plan.layout, W, value_heads, head_dims[1],
+                                     op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4,
+                                     core_saves=saves) else stay
+    if strategy in ("convert", "stay"):
+        strategy = "auto"                # nothing to convert, or the layout kept
     if backend == "auto" and max_segment is None and W == 1 and cuda:
         return Dispatch("fla", "none", 0)
 

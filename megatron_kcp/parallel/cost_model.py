@@ -46,6 +46,12 @@ CONVERT_ENV = "KCP_CONVERT"
 # benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
 # contiguous documents (BENCHMARKS.md, packed documents measured)
 CONVERT_BW = 100e9
+# what flash-qla's GDN core saves against fla's, s per token and value head of a step (fwd+bwd, K = V = 128): a
+# conversion that lets a rank run flash-qla where Megatron's layout leaves it fla's kernels (too many
+# per-document segments) also saves that. Least squares over fla's one-GPU call less flash-qla's on the same
+# packed documents (perdoc_h200x2.csv, 10 to 300 documents, 32k and 128k tokens; 3 to 4.5 ns a token and head):
+# tests/layers/test_layout.py::test_core_price_fits_the_measured_rows
+QLA_SAVES = 4.3e-9
 # the relay's pipeline over head groups
 GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
 # value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
@@ -118,9 +124,10 @@ def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messag
 
 
 def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,
-                 bytes_per_token: float, messages: float, target: str = "contiguous") -> bool:
+                 bytes_per_token: float, messages: float, target: str = "contiguous", core_saves: float = 0.0) -> bool:
     """Whether moving the stream from ``layout`` to ``target`` (what it costs: :func:`conversion_cost`)
-    saves more than it costs (:func:`layout_cost` of both). ``KCP_CONVERT=1`` / ``0`` forces it."""
+    saves more than it costs (:func:`layout_cost` of both, and ``core_saves``: the seconds a step's core
+    saves in ``target``, see :func:`core_saving`). ``KCP_CONVERT=1`` / ``0`` forces it."""
     forced = os.environ.get(CONVERT_ENV)
     if forced:
         if forced not in ("0", "1"):
@@ -129,8 +136,16 @@ def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, head
     if layout == target or world_size == 1:
         return False
     saved = layout_cost(cu_seqlens, layout, world_size, heads, head_dim) - \
-        layout_cost(cu_seqlens, target, world_size, heads, head_dim)
+        layout_cost(cu_seqlens, target, world_size, heads, head_dim) + core_saves
     return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages)
+
+
+def core_saving(stay: str, moved: str, local_tokens: int, heads: int, head_dim: int) -> float:
+    """Seconds a step (fwd+bwd) saves by running core ``moved`` (``fla`` | ``qla`` | ...) on a rank's
+    ``local_tokens`` instead of core ``stay``: ``QLA_SAVES`` a token and value head from fla's kernels to
+    flash-qla's (negative the other way), nothing between equal cores."""
+    sign = {("fla", "qla"): 1, ("qla", "fla"): -1}.get((stay, moved), 0)
+    return sign * QLA_SAVES * local_tokens * heads * (head_dim / 128) ** 2
 
 
 @functools.lru_cache(maxsize=256)
