@@ -111,8 +111,9 @@ def conversion_group(pg_collection, sequence_parallel: bool):
 
 
 def move(hidden: torch.Tensor, cu: tuple[int, ...], source: str, target: str, group, tp: int) -> torch.Tensor:
-    """``[s, 1, h]`` hidden states of this rank from layout ``source`` to ``target``."""
-    return relayout([hidden[:, 0]], cu, source, target, group, tp)[0][:, None]
+    """``[s, 1, h]`` hidden states of this rank from layout ``source`` to ``target`` (squeezed and
+    unsqueezed as views, whose backward copies nothing)."""
+    return relayout([hidden.squeeze(1)], cu, source, target, group, tp)[0][:, None]
 
 
 class KCPTransformerLayer(TransformerLayer):
@@ -166,8 +167,8 @@ def mixer_input(mixer, hidden_states, packed_seq_params):
     if not converts(config, cu, pg.cp.size(), pg.tp.size(), 1):
         return hidden_states, None, lambda out: out
     group, tp = conversion_group(pg, config.sequence_parallel)
-    return move(hidden_states, cu, SOURCE, TARGET, group, tp), TARGET, lambda out: move(out, cu, TARGET, SOURCE,
-                                                                                          group, tp)
+    back = lambda out: move(out, cu, TARGET, SOURCE, group, tp)  # noqa: E731
+    return move(hidden_states, cu, SOURCE, TARGET, group, tp), TARGET, back
 
 
 def describe(mixer, plan) -> str:
@@ -176,7 +177,8 @@ def describe(mixer, plan) -> str:
         return ""
     if getattr(mixer, "layer_run", None) is not None:
         config = mixer.config
-        runs = sum(is_linear(config, n) and (n == 1 or not is_linear(config, n - 1)) for n in range(1, config.num_layers + 1))
+        runs = sum(is_linear(config, n) and (n == 1 or not is_linear(config, n - 1))
+                   for n in range(1, config.num_layers + 1))
         return (f", hidden states moved from {SOURCE} at the edges of each run of linear layers: {2 * runs} "
                 "all-to-alls per forward, as many backward")
     return f", hidden states moved from {SOURCE} by each mixer: 2 all-to-alls per layer and pass"

@@ -64,7 +64,7 @@ def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
     if plan.world_size > 1 and plan.halo_len:
         # every rank passes a state (zeros where no segment continues): the halo's gradient then
         # reaches the backward collective on every rank, which all of them must join
-        state = _HaloToState.apply(halo.halo(x[0], plan, group), plan).contiguous()
+        state = _HaloToState.apply(halo.halo(x.squeeze(0), plan, group), plan).contiguous()
     if _equal_segments(plan):
         n = plan.num_segments
         y, _ = conv(x.view(n, -1, x.shape[-1]), weight, bias, initial_state=state, activation=activation)

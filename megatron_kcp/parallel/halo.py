@@ -16,15 +16,17 @@ from megatron_kcp.parallel.plan import KCPPlan
 
 
 @functools.lru_cache(maxsize=32)
-def _tail_rows(plan: KCPPlan) -> torch.Tensor:
-    """Local row of each piece's last ``halo_len`` tokens (``T``, a zero row, where the piece is shorter)."""
-    T, hl = plan.num_local_tokens, plan.halo_len
+def _tail_rows(plan: KCPPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local row of each piece's last ``halo_len`` tokens, whether the piece has that token): a piece
+    shorter than the halo reads row 0 there, masked to zero."""
+    hl = plan.halo_len
     rows, off = [], 0
     for s, e in plan.pieces:
         n = e - s
-        rows += [off + n - hl + j if n - hl + j >= 0 else T for j in range(hl)]
+        rows += [off + n - hl + j for j in range(hl)]
         off += n
-    return torch.tensor(rows, dtype=torch.long)
+    rows = torch.tensor(rows, dtype=torch.long)
+    return rows.clamp(min=0), (rows >= 0)[:, None]
 
 
 @functools.lru_cache(maxsize=32)
@@ -37,21 +39,22 @@ def _halo_rows(plan: KCPPlan) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _on(plan: KCPPlan, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tail rows, halo rows) on ``device``, copied once: a copy per call would sync the host."""
-    return _tail_rows(plan).to(device), _halo_rows(plan).to(device)
+def _on(plan: KCPPlan, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tail rows, their mask, halo rows) on ``device``, copied once: a copy per call would sync the host."""
+    rows, has = _tail_rows(plan)
+    return rows.to(device), has.to(device), _halo_rows(plan).to(device)
 
 
 class HaloExchange(torch.autograd.Function):
     """The local stream ``[T, D]`` -> the halo rows ``[pieces * (kernel_size - 1), D]`` of its pieces,
-    in piece order (zero where no token of the same sequence is there)."""
+    in piece order (zero where no token of the same sequence is there). Only the tails are read and
+    written: the stream is never copied whole (at 128k tokens it is a GB a rank)."""
 
     @staticmethod
     def forward(ctx, x, plan: KCPPlan, group):
-        tails_idx, src = _on(plan, str(x.device))
+        tails_idx, has, src = _on(plan, str(x.device))
         hl, P = plan.halo_len, plan.num_pieces
-        xz = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        tails = xz[tails_idx].view(P, hl, -1)
+        tails = x.index_select(0, tails_idx).masked_fill_(~has, 0).view(P, hl, -1)
         gathered = all_gather(tails, group) if plan.world_size > 1 else tails[None]
         gathered = torch.cat([gathered.flatten(0, 2), x.new_zeros(1, x.shape[1])])
         ctx.plan, ctx.group, ctx.T = plan, group, x.shape[0]
@@ -60,12 +63,12 @@ class HaloExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dhalo):
         plan = ctx.plan
-        tails_idx, src = _on(plan, str(dhalo.device))
+        tails_idx, has, src = _on(plan, str(dhalo.device))
         W, P, hl = plan.world_size, plan.num_pieces, plan.halo_len
         dall = dhalo.new_zeros(W * P * hl + 1, dhalo.shape[1]).index_add_(0, src, dhalo)[:-1]
         dtails = reduce_scatter(dall.view(W, P * hl, -1), ctx.group) if W > 1 else dall
-        dx = dhalo.new_zeros(ctx.T + 1, dhalo.shape[1]).index_add_(0, tails_idx, dtails)
-        return dx[:-1], None, None
+        dtails = dtails.reshape(P * hl, -1).masked_fill(~has, 0)
+        return dhalo.new_zeros(ctx.T, dhalo.shape[1]).index_add_(0, tails_idx, dtails), None, None
 
 
 def halo(x: torch.Tensor, plan: KCPPlan, group) -> torch.Tensor:
