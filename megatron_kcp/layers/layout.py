@@ -167,7 +167,9 @@ def mixer_input(mixer, hidden_states, packed_seq_params):
     if not converts(config, cu, pg.cp.size(), pg.tp.size(), 1):
         return hidden_states, None, lambda out: out
     group, tp = conversion_group(pg, config.sequence_parallel)
-    back = lambda out: move(out, cu, TARGET, SOURCE, group, tp)  # noqa: E731
+
+    def back(out):
+        return move(out, cu, TARGET, SOURCE, group, tp)
     return move(hidden_states, cu, SOURCE, TARGET, group, tp), TARGET, back
 
 

@@ -49,7 +49,7 @@ CONVERT_BW = 100e9
 # what flash-qla's GDN core saves against fla's, s per token and value head of a step (fwd+bwd, K = V = 128): a
 # conversion that lets a rank run flash-qla where Megatron's layout leaves it fla's kernels (too many
 # per-document segments) also saves that. Least squares over fla's one-GPU call less flash-qla's on the same
-# packed documents (perdoc_h200x2.csv, 10 to 300 documents, 32k and 128k tokens; 3 to 4.5 ns a token and head):
+# packed documents (perdoc_h200x2.csv, 10 to 300 documents, 32k and 128k tokens):
 # tests/layers/test_layout.py::test_core_price_fits_the_measured_rows
 QLA_SAVES = 4.3e-9
 # the relay's pipeline over head groups

@@ -48,7 +48,7 @@ def _on(plan: KCPPlan, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class HaloExchange(torch.autograd.Function):
     """The local stream ``[T, D]`` -> the halo rows ``[pieces * (kernel_size - 1), D]`` of its pieces,
     in piece order (zero where no token of the same sequence is there). Only the tails are read and
-    written: the stream is never copied whole (at 128k tokens it is a GB a rank)."""
+    written: the stream, the conv's whole input, is never copied."""
 
     @staticmethod
     def forward(ctx, x, plan: KCPPlan, group):

@@ -295,8 +295,9 @@ def test_core_price_fits_the_measured_rows():
     """``cost_model.QLA_SAVES`` is the least-squares saving of flash-qla's GDN core against fla's, per token
     and value head, on the measured one-GPU rows (benchmarks/results/perdoc_h200x2.csv: fla's call and
     flash-qla's on the same packed documents, 10 to 300 documents, 32k and 128k tokens, 32 value heads),
-    and the conversion that pays only through it (GDN, 128k, 100 documents: ours staying on fla's
-    kernels, 27.5-28.0 ms, against ours converted to flash-qla's, 23.0) is taken on that price."""
+    and the conversion that pays only through it (the GDN op at 128k and 100 documents, measured faster
+    converted to flash-qla's kernels than left on fla's: ``kcp-convert`` in the CSV) is taken on that
+    price."""
     import csv
     from pathlib import Path
 
