@@ -248,7 +248,8 @@ def ops_level(c: Case, args):
         c.ref_note = "err against fla's CP call (one GPU: out of memory)"
 
     def rows(layout):
-        return lambda t: t if layout is None else t[:, c.index[layout]]
+        """This rank's rows of a global tensor, on the device (the reference may be in host memory)."""
+        return lambda t: (t if layout is None else t[:, c.index[layout].to(t.device)]).to(b.device)
 
     def fwd_bwd(fn, layout):
         """(one fwd+bwd of ``fn`` on this rank's rows, returning the output and the input gradients; the
@@ -323,21 +324,23 @@ def under(patch, run, *args):
 def gathered_reference(c: Case, rule, xs, do):
     """(o, input gradients) of fla's CP call on the contiguous layout, gathered into the global order on
     every rank: the rows' reference where one GPU cannot run the whole pack (its rows' ``err`` then
-    reads against fla's CP, the ``noCP`` rows record the failure)."""
+    reads against fla's CP, the ``noCP`` rows record the failure). Held in host memory: the GPU already
+    holds the pack's inputs, and five more tensors of its size do not fit beside them (H = 64 at 1M
+    tokens: 64 GB each way)."""
     W, plan = c.b.W, c.plans["contiguous"]
     idx = c.index["contiguous"]
     leaves = fresh_leaves(x[:, idx] for x in xs)
     o = rule(*leaves, plan=plan, group=dist.group.WORLD)
     local = [o.detach(), *torch.autograd.grad(o, leaves, do[:, idx].contiguous())]
     del o, leaves
-    where = [local_token_index(build_plan(c.cu, "contiguous", W, r, CONV)).to(c.b.device) for r in range(W)]
+    where = [local_token_index(build_plan(c.cu, "contiguous", W, r, CONV)) for r in range(W)]
     out = []
     for t in local:
-        full = t.new_empty(t.shape[0], c.T, *t.shape[2:])
+        full = torch.empty(t.shape[0], c.T, *t.shape[2:], dtype=t.dtype)
         parts = [t.new_empty(t.shape[0], len(w), *t.shape[2:]) for w in where]
         dist.all_gather(parts, t.contiguous())
         for w, part in zip(where, parts):
-            full[:, w] = part
+            full[:, w] = part.cpu()
         out.append(full)
         del parts
     return out
@@ -495,7 +498,8 @@ def worker(rank, W, port, args, shapes):
         dist.destroy_process_group()
 
 
-def main(argv=None):
+def parse(argv=None):
+    """(args, W, shapes) of a command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shapes", nargs="+", choices=list(perdoc.SHAPES), default=["qwen3-next", "kimi-linear"])
@@ -535,6 +539,11 @@ def main(argv=None):
                              f"{torch.cuda.device_count()}); benchmarks/perdoc.py predicts W >= 2 from one GPU")
         shapes = {n: perdoc.SHAPES[n] for n in args.shapes}
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)
+    return args, W, shapes
+
+
+def main(argv=None):
+    args, W, shapes = parse(argv)
     spawn(worker, W, args, shapes)
 
 

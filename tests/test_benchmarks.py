@@ -344,6 +344,43 @@ def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
     assert rows[2]["note"] == "gather; err against fla's CP call", rows[2]
 
 
+def _worker_one_gpu_too_small(rank, W, port, args, shapes):
+    """perdoc_measured's worker with fla's call refusing the whole pack at all heads, as one GPU does
+    with a sequence too long for it (cp2hp's call, on a head shard, still runs)."""
+    import torch
+
+    from benchmarks import ops
+    from benchmarks import perdoc_measured as pm
+    whole, heads = ops.chunk_kernel, {s.H for s in shapes.values()}
+
+    def chunk_kernel(model, device):
+        kernel = whole(model, device)
+
+        def refusing(q, *rest):
+            if q.shape[1] in args.tokens and q.shape[2] in heads:
+                raise torch.OutOfMemoryError("CUDA out of memory (the test's stand-in)")
+            return kernel(q, *rest)
+        return refusing
+    ops.chunk_kernel = chunk_kernel
+    pm.worker(rank, W, port, args, shapes)
+
+
+def test_perdoc_measured_reads_a_pack_one_gpu_cannot_hold_against_fla_cp(tmp_path):
+    """Where one GPU cannot run the pack, every op row reads against fla's CP call, gathered into host
+    memory, and the noCP row records the failure."""
+    from benchmarks import perdoc_measured as pm
+    from benchmarks.common import spawn
+    path = tmp_path / "measured.csv"
+    args, W, shapes = pm.parse(["--smoke", "--shapes", "qwen3-next", "--docs", "single", "--levels", "ops",
+                                "--methods", "noCP", "cp2hp", "fla-cp", "kcp", "--csv", str(path)])
+    spawn(_worker_one_gpu_too_small, W, args, shapes)
+    rows = {r["method"]: r for r in csv.DictReader(path.open())}
+    assert rows["noCP"]["note"].startswith("error: OutOfMemoryError"), rows["noCP"]
+    for m in ("cp2hp", "fla-cp", "kcp"):
+        assert float(rows[m]["err"]) < 1e-6, rows[m]
+        assert rows[m]["note"].endswith("err against fla's CP call (one GPU: out of memory)"), rows[m]
+
+
 def test_host_time_smoke_writes_every_rank(tmp_path):
     """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU)."""
     path = tmp_path / "host.csv"
