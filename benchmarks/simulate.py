@@ -102,16 +102,25 @@ class Recorder:
         self.mark("alltoall", x.nbytes)
         return x.new_zeros(sum(recv_counts), *x.shape[1:])
 
+    def all_to_all(self, x, group):
+        """Stands in for ``comm.all_to_all`` (the cp2hp strategy's): the blocks this rank would receive, as
+        zeros."""
+        self.mark("alltoall", x.nbytes)
+        return torch.zeros_like(x)
+
     def fla_all_gather(self, inp, out=None, group=None, async_op=False):
         """Stands in for fla's CP all-gather (``fla.ops.cp.comm.all_gather_into_tensor``)."""
         self.mark("allgather", inp.nbytes)
         return inp.unsqueeze(0).expand(self.W, *inp.shape).contiguous(), None
 
     def patches(self, rank: int):
-        """Every exchange point of KCP, its layout conversion and fla's CP, stubbed for this rank."""
-        from megatron_kcp.parallel import comm
+        """Every exchange point of KCP, its layout conversions (to the contiguous layout, to head shards) and
+        fla's CP, stubbed for this rank."""
+        from megatron_kcp.parallel import comm, cp2hp
         ps = [mock.patch.object(relay, "P2P", self.p2p), mock.patch.object(gather, "all_gather", self.all_gather),
               mock.patch.object(comm, "all_to_all_rows", self.all_to_all_rows),
+              mock.patch.object(comm, "all_to_all", self.all_to_all),
+              mock.patch.object(cp2hp, "all_to_all", self.all_to_all),
               mock.patch("torch.distributed.get_world_size", lambda group=None: self.W),
               mock.patch("torch.distributed.get_rank", lambda group=None: rank)]
         try:

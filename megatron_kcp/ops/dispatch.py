@@ -17,6 +17,13 @@ rank's own tokens.
   (:func:`megatron_kcp.parallel.cost_model.convert_pays`), the difference of the cores either
   layout runs included (flash-qla's where the contiguous layout allows it, fla's where Megatron's
   leaves a rank too many segments); core, strategy and split are then decided on the contiguous plan.
+  Where the heads divide over the ranks, the stream moves to head shards instead (``cp2hp``:
+  megatron-core's all-to-all of the same five tensors, then the core's single-device call on the
+  whole stream, with no state to exchange), which the measured rows found faster than the contiguous
+  layout or level with it wherever converting paid (BENCHMARKS.md). Not where an initial state is
+  passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
+  lengths on the host), where ``KCP_STRATEGY`` or ``KCP_CONVERT`` is set, or where a backend is named
+  (its core's step, not the single-device call, is what was asked for).
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
   segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
@@ -35,7 +42,7 @@ from megatron_kcp.parallel.convert import ConvertLayout, target_plan
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, core_saving, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
 from megatron_kcp.parallel.gather import AllGather
-from megatron_kcp.parallel.plan import KCPPlan, all_plans
+from megatron_kcp.parallel.plan import KCPPlan, all_plans, capturing
 from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.single import SingleDevice
 from megatron_kcp.parallel.strategy import ExchangeStrategy
@@ -78,7 +85,8 @@ class Dispatch:
 
 
 def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, backend: str = "auto",
-           strategy: str = "auto", max_segment: int | None = None) -> Dispatch:
+           strategy: str = "auto", max_segment: int | None = None,
+           initial_state: torch.Tensor | None = None) -> Dispatch:
     """The :class:`Dispatch` of ``gated_delta_rule`` for these arguments (see the module docstring).
 
     Args:
@@ -87,6 +95,7 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
         backend: ``auto`` | ``reference`` | ``fla`` | ``qla``.
         strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp``.
         max_segment: None (the kernels' pick), 0 (never split) or a length.
+        initial_state: the call's, or None: only whether one is passed is read.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
@@ -96,12 +105,14 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
         raise ValueError(f"max_segment must be >= 0 (0: segments not split; None: the kernels' pick), "
                          f"got {max_segment}")
     return _decide(plan, q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]), v.shape[2], q.shape[2], backend,
-                   strategy, max_segment, (os.environ.get("KCP_STRATEGY"), os.environ.get(CONVERT_ENV)))
+                   strategy, max_segment, (os.environ.get("KCP_STRATEGY"), os.environ.get(CONVERT_ENV)),
+                   initial_state is None and not capturing())
 
 
 @functools.lru_cache(maxsize=256)
 def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, strategy, max_segment,
-            forced) -> Dispatch:
+            forced, heads_free=False) -> Dispatch:
+    """``heads_free``: the call may move to head shards (no initial state, no graph capture)."""
     cuda, W = device.type == "cuda", plan.world_size
     if strategy == "cp2hp" and W > 1:
         if max_segment:
@@ -122,9 +133,14 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         stay = _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, "stay", max_segment, forced)
         cu = plan.global_cu_seqlens
         saves = core_saving(stay.core, moved.core, -(-cu[-1] // W), value_heads, head_dims[1])
-        return moved if convert_pays(cu, plan.layout, W, value_heads, head_dims[1],
-                                     op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4,
-                                     core_saves=saves) else stay
+        if not convert_pays(cu, plan.layout, W, value_heads, head_dims[1],
+                            op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4, core_saves=saves):
+            return stay
+        if backend == "auto" and heads_free and forced == (None, None) and max_segment is None and \
+                not (qk_heads % W or value_heads % W):
+            return Dispatch("reference" if not cuda else "qla" if qla_runs(device, dtype, kda, head_dims) else "fla",
+                            "cp2hp", 0)
+        return moved
     if strategy in ("convert", "stay"):
         strategy = "auto"                # nothing to convert, or the layout kept
     if backend == "auto" and max_segment is None and W == 1 and cuda:

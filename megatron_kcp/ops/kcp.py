@@ -63,7 +63,7 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
         o ``[1, T, HV, V]`` in v's dtype.
     """
     check_inputs(q, k, v, g, beta, plan, initial_state)
-    chosen = dispatch.decide(plan, q, v, g, backend, strategy, max_segment)
+    chosen = dispatch.decide(plan, q, v, g, backend, strategy, max_segment, initial_state)
     exchange = chosen.exchange()
     exchange.check(q, v, plan, initial_state)
     if group is None and plan.world_size > 1:

@@ -214,13 +214,15 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
 
 
 def test_conversion_model_against_the_measured_steps(monkeypatch):
-    """Whether to convert, against what was measured on 2 GPUs (benchmarks/results/perdoc_h200x2.csv):
-    wherever both our converted step (the default's row where it converted, or ``kcp-convert``) and our
-    step left on Megatron's layout were timed, the model's pick is the faster one or within 10% of it,
-    at op, mixer and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's
-    pick is the dispatch's, with the cores of the H200 the rows ran on (flash-qla's for GDN where it
-    runs, so the cores' difference counts). 10%: the spread of one case between runs on two hosts of
-    one kind (BENCHMARKS.md, packed documents, run to run), where the two steps are close; a wrong pick
+    """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
+    perdoc_h200x4.csv): wherever both our converted step (the default's row where it converted, or
+    ``kcp-convert``) and our step left on Megatron's layout were timed, the model's pick is the faster
+    one or within 10% of it, at op, mixer and block level (a run of 3 linear layers), GDN and KDA, 1 to
+    300 documents. The op's pick is the dispatch's, with the cores of the H200 the rows ran on
+    (flash-qla's for GDN where it runs, so the cores' difference counts); where it moves to head shards,
+    its time is the measured cp2hp row of that call (``cp2hp-qla`` for GDN, ``cp2hp`` for KDA), and the
+    faster of all three steps is the yardstick. 10%: the spread of one case between runs on two hosts
+    of one kind (BENCHMARKS.md, packed documents, run to run), where the steps are close; a wrong pick
     where they are not loses 1.2x to 3x."""
     import csv
     from pathlib import Path
@@ -235,27 +237,37 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
-    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_h200x2.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
-            if r["ms"] and (r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted):
-                steps.setdefault((r["level"], r["model"], r["docs"], int(r["tokens"])), {})[converted] = float(r["ms"])
+    results = Path(__file__).parents[2] / "benchmarks" / "results"
+    for W in (2, 4):
+        with open(results / f"perdoc_h200x{W}.csv", newline="") as f:
+            for r in csv.DictReader(f):
+                if not r["ms"] or r["level"] == "-":
+                    continue
+                converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
+                key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W)
+                if r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted:
+                    steps.setdefault(key, {})[converted] = float(r["ms"])
+                if r["level"] == "ops" and r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla"):
+                    steps.setdefault(key, {})["heads"] = float(r["ms"])
     shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
     picks = []
     dispatch._decide.cache_clear()
-    for (level, model, docs, T), ms in steps.items():
-        if len(ms) < 2:
+    for (level, model, docs, T, W), ms in steps.items():
+        if len([m for m in ms if m != "heads"]) < 2:
             continue
-        s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], cu_seqlens(docs, T, pad=4)
+        s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], cu_seqlens(docs, T, pad=2 * W)
         if run is None:
-            pick = bool(dispatch._decide(all_plans(cu, "zigzag_per_doc", 2)[0], torch.device("cuda"), torch.bfloat16,
-                                         model == "KDA", (s.K, s.K), s.HV, s.H, "auto", "auto", None,
-                                         (None, None)).layout)
+            d = dispatch._decide(all_plans(cu, "zigzag_per_doc", W)[0], torch.device("cuda"), torch.bfloat16,
+                                 model == "KDA", (s.K, s.K), s.HV, s.H, "auto", "auto", None, (None, None), True)
+            pick = "heads" if d.strategy == "cp2hp" else bool(d.layout)
         else:
-            pick = convert_pays(cu, "zigzag_per_doc", 2, s.HV, s.K, *run_traffic(s.hidden * 2, run))
-        picks.append((level, model, docs, T, pick, ms[pick] / min(ms.values())))
+            pick = convert_pays(cu, "zigzag_per_doc", W, s.HV, s.K, *run_traffic(s.hidden * 2, run))
+            ms.pop("heads", None)
+        if pick not in ms:               # the picked step was not timed in this case
+            continue
+        picks.append((level, model, docs, T, W, pick, ms[pick] / min(ms.values())))
     dispatch._decide.cache_clear()
-    assert len(picks) >= 15, picks
+    assert len(picks) >= 25 and any(p[5] == "heads" for p in picks), picks
     assert all(loss <= 1.10 for *_, loss in picks), [p for p in picks if p[-1] > 1.10]
 
 
