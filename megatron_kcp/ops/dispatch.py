@@ -119,7 +119,8 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
             raise ValueError("max_segment splits KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "
                              "strategy")
         if backend == "qla":
-            raise ValueError("strategy 'cp2hp' runs fla's kernels, as megatron-core's peer does: use backend 'fla' "
+            raise ValueError("strategy 'cp2hp' runs fla's single-device call (which hands GDN to flash-qla where "
+                             "installed), as megatron-core's peer does, not the qla core's step: use backend 'fla' "
                              "or 'auto'")
         return Dispatch("fla" if backend == "auto" and cuda else "reference" if backend == "auto" else backend,
                         "cp2hp", 0)
