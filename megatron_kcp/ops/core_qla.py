@@ -8,8 +8,9 @@ So this core takes the step apart differently from ``core_fla``: ``state`` runs 
 the final state, ``output`` runs the fused forward from the initial states (its own state pass),
 ``backward_state`` runs a pass only where a predecessor (or the user's initial state) takes the
 gradient, and ``backward_rest`` runs the fused backward from the final-state gradients. Every pass
-keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges them in bf16: it
-is not used). flash-qla has no transition-map kernel: ``maps`` runs its state pass twice, from
+keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges them in bf16: the
+step does not use it; ``single_device``, the call on a whole stream of head shards, is that call).
+flash-qla has no transition-map kernel: ``maps`` runs its state pass twice, from
 zero states with the values (H) and from identity states without them (M); the backward's ``M^T``
 is the forward's. That is what a plan with ``max_segment`` needs at few heads
 (``dispatch.qla_max_segment``).
@@ -30,7 +31,6 @@ import functools
 import torch
 
 from megatron_kcp.environment import check_qla
-from megatron_kcp.ops.core_fla import fla_chunk
 from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, may_be_nonzero
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
@@ -215,10 +215,11 @@ class GDNQLACore:
 
     def single_device(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                       cu_seqlens_cpu):
-        # fla's call, which hands GDN to flash-qla's own (with its intra-GPU split) where installed
-        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                         cu_seqlens_cpu=cu_seqlens_cpu)
+        # flash-qla's own call (with its intra-GPU split), not fla's: fla hands it GDN only while its
+        # backend switch (FLA_FLASH_QLA) is on, and this core was picked to run flash-qla's kernels
+        from flash_qla import chunk_gated_delta_rule
+        return chunk_gated_delta_rule(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)[0]
 
 
 def core(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> GDNQLACore:

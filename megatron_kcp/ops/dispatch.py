@@ -118,10 +118,6 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         if max_segment:
             raise ValueError("max_segment splits KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "
                              "strategy")
-        if backend == "qla":
-            raise ValueError("strategy 'cp2hp' runs fla's single-device call (which hands GDN to flash-qla where "
-                             "installed), as megatron-core's peer does, not the qla core's step: use backend 'fla' "
-                             "or 'auto'")
         return Dispatch("fla" if backend == "auto" and cuda else "reference" if backend == "auto" else backend,
                         "cp2hp", 0)
     if strategy == "cp2hp":

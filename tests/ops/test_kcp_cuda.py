@@ -357,12 +357,13 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 local_conv = [loc[6], conv[1], loc[7]]
                 tag = (f"W={W} {layout:15s} {'KDA' if kda else 'GDN'} {dtype_name:8s} T={cu[-1]:6d} "
                        f"nseq={len(cu) - 1:3d} {backend}")
-                # and the cp2hp peer (all-to-all to head shards, fla's kernels), where the heads split over the ranks
+                # and cp2hp (all-to-all to head shards, the core's single-device call: fla's, or flash-qla's
+                # own), where the heads split over the ranks
                 strategies = ("relay", "auto", "split") if backend == "qla" else STRATEGIES
                 strategies += ("convert",) if layout != "contiguous" else ()     # to contiguous and back
                 for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
-                    errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv,
-                                        "fla" if strategy == "cp2hp" else backend), oracle, single, plan, group)
+                    errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv, backend), oracle,
+                                   single, plan, group)
                     lines.append(f"{tag} {strategy:6s} err=" + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()) +
                                  "  one-GPU err=" + " ".join(f"{n}:{e:.1e}" for n, e in floor.items()))
                     if r == 0:
