@@ -215,15 +215,16 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
 
 def test_conversion_model_against_the_measured_steps(monkeypatch):
     """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
-    perdoc_h200x4.csv): wherever both our converted step (the default's row where it converted, or
-    ``kcp-convert``) and our step left on Megatron's layout were timed, the model's pick is the faster
-    one or within 10% of it, at op, mixer and block level (a run of 3 linear layers), GDN and KDA, 1 to
-    300 documents. The op's pick is the dispatch's, with the cores of the H200 the rows ran on
-    (flash-qla's for GDN where it runs, so the cores' difference counts); where it moves to head shards,
-    its time is the measured cp2hp row of that call (``cp2hp-qla`` for GDN, ``cp2hp`` for KDA), and the
-    faster of all three steps is the yardstick. 10%: the spread of one case between runs on two hosts
-    of one kind (BENCHMARKS.md, packed documents, run to run), where the steps are close; a wrong pick
-    where they are not loses 1.2x to 3x."""
+    perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv): wherever both our
+    converted step (the default's row where it converted, or ``kcp-convert``) and our step left on
+    Megatron's layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer
+    and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the
+    dispatch's, with the cores of the H200 the rows ran on (flash-qla's for GDN where it runs, so the
+    cores' difference counts); where it moves to head shards, its time is the default's own row where
+    one was timed, else the measured cp2hp row of that call (``cp2hp-qla`` for GDN, ``cp2hp`` for KDA),
+    and the faster of all three steps is the yardstick. 10%: the spread of one case between runs on two
+    hosts of one kind (BENCHMARKS.md, packed documents, run to run), where the steps are close; a wrong
+    pick where they are not loses 1.2x to 3x."""
     import csv
     from pathlib import Path
 
@@ -247,7 +248,8 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
                 key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W)
                 if r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted:
                     steps.setdefault(key, {})[converted] = float(r["ms"])
-                if r["level"] == "ops" and r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla"):
+                if r["level"] == "ops" and (r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla") or
+                                            r["method"] == "kcp" and r["note"].startswith("strategy cp2hp")):
                     steps.setdefault(key, {})["heads"] = float(r["ms"])
     shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
     picks = []
