@@ -37,11 +37,13 @@ from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """flash-qla's entry points the core calls, and fla's l2norm (Triton, tuned once for both cores; the
-    CPU tests put a reference of each contract here)."""
+    """flash-qla's entry points the core calls (its kernels, and its top-level call for ``single_device``),
+    and fla's l2norm (Triton, tuned once for both cores; the CPU tests put a reference of each contract
+    here)."""
     from types import SimpleNamespace
 
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from flash_qla import chunk_gated_delta_rule
     from flash_qla.ops.gated_delta_rule import chunk as C
     from flash_qla.ops.utils import group_reduce_vector
     from flash_qla.utils.index import prepare_varlen_metadata
@@ -51,7 +53,7 @@ def _kernels():
     return SimpleNamespace(chunk_local_cumsum=C.chunk_local_cumsum, kkt_solve=C.kkt_solve, fused_gdr_h=C.fused_gdr_h,
                            fused_gdr_fwd=C.fused_gdr_fwd, fused_gdr_dh=C.fused_gdr_dh, fused_gdr_bwd=C.fused_gdr_bwd,
                            group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=prepare_varlen_metadata,
-                           l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd)
+                           l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule)
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,9 +219,9 @@ class GDNQLACore:
                       cu_seqlens_cpu):
         # flash-qla's own call (with its intra-GPU split), not fla's: fla hands it GDN only while its
         # backend switch (FLA_FLASH_QLA) is on, and this core was picked to run flash-qla's kernels
-        from flash_qla import chunk_gated_delta_rule
-        return chunk_gated_delta_rule(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)[0]
+        return _kernels().chunk_gated_delta_rule(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                 cu_seqlens=cu_seqlens)[0]
 
 
 def core(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[int, int]) -> GDNQLACore:

@@ -78,13 +78,21 @@ def group_reduce_vector(x, Hg):
     return x.view(*x.shape[:2], Hg, x.shape[2] // Hg, x.shape[3]).sum(3)
 
 
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """flash-qla's top-level call (its intra-GPU split is invisible to a caller)."""
+    return R.chunk_gated_delta_rule_fp64(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
+
+
 def kernels() -> SimpleNamespace:
     return SimpleNamespace(
         chunk_local_cumsum=lambda g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False: g.clone(),
         kkt_solve=lambda k, b, chunk_size=64, cu_seqlens=None: k.new_zeros(*b.shape, chunk_size),
         fused_gdr_h=fused_gdr_h, fused_gdr_fwd=fused_gdr_fwd, fused_gdr_dh=fused_gdr_dh, fused_gdr_bwd=fused_gdr_bwd,
         group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd,
-        l2norm_bwd=l2norm_bwd)
+        l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule)
 
 
 def install() -> None:

@@ -173,6 +173,32 @@ def test_zero_states_reach_the_kernels_as_none():
     spawn(_zero_states_passed_as_none, 2)
 
 
+def _head_shards_call_flash_qla():
+    """cp2hp on the qla core: flash-qla's own call, once a step, on the whole stream of this rank's
+    head shards; forward and every gradient equal the oracle."""
+    from unittest import mock
+
+    from megatron_kcp.ops import core_qla
+    from megatron_kcp.testing import qla_contracts
+    from megatron_kcp.testing.cases import docs_cu
+    qla_contracts.install()
+    group = cp_group()
+    cu = docs_cu(30, 2, seed=1)
+    xs = random_inputs(torch.Generator().manual_seed(2), cu[-1], len(cu) - 1, 2, 4, 8, 6, False)[:5]
+    K = qla_contracts.kernels()
+    spy = K.chunk_gated_delta_rule = mock.Mock(side_effect=qla_contracts.chunk_gated_delta_rule)
+    with mock.patch.object(core_qla, "_kernels", lambda: K):
+        errs = compare_with_oracle(cu, xs, None, "zigzag_per_doc", "cp2hp", True, group, 3, "qla")
+    assert max(errs.values()) <= TOL, errs
+    (call,) = spy.call_args_list
+    assert call.args[0].shape[1:3] == (cu[-1], 1), call.args[0].shape       # the whole stream, H / W heads
+    assert call.kwargs["cu_seqlens"].tolist() == list(cu)
+
+
+def test_head_shards_on_the_qla_core_call_flash_qla():
+    spawn(_head_shards_call_flash_qla, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_qla_core_matches_oracle(world_size):
