@@ -242,14 +242,22 @@ def ops_level(c: Case, args):
     except torch.OutOfMemoryError:       # a sequence one GPU cannot hold: fla's CP call is the reference
         pass
     leaves = o = None
-    if ref is None:
-        torch.cuda.empty_cache()
-        ref = gathered_reference(c, fla_cp_rule(s.model, b.device, args.smoke), xs, do)
-        c.ref_note = "err against fla's CP call (one GPU: out of memory)"
 
     def rows(layout):
-        """This rank's rows of a global tensor, on the device (the reference may be in host memory)."""
-        return lambda t: (t if layout is None else t[:, c.index[layout].to(t.device)]).to(b.device)
+        """This rank's rows of a global tensor (or of a :class:`Sliced` one), on the device."""
+        def pick(t):
+            if isinstance(t, Sliced):
+                return t.rows_of(layout).to(b.device)
+            return (t if layout is None else t[:, c.index[layout].to(t.device)]).to(b.device)
+        return pick
+    if ref is None:
+        if b.cuda:
+            torch.cuda.empty_cache()
+        for i in range(len(xs)):         # one at a time: a global input is freed as its rows are taken
+            xs[i] = Sliced(xs[i], c.index, b.device)
+        do = Sliced(do, c.index, b.device)
+        ref = gathered_reference(c, fla_cp_rule(s.model, b.device, args.smoke), rows("contiguous"), xs, do)
+        c.ref_note = "err against fla's CP call (one GPU: out of memory)"
 
     def fwd_bwd(fn, layout):
         """(one fwd+bwd of ``fn`` on this rank's rows, returning the output and the input gradients; the
@@ -282,8 +290,11 @@ def ops_level(c: Case, args):
     def ours(p, *x):
         return kcp.gated_delta_rule(*x, p, dist.group.WORLD, use_qk_l2norm=True, backend=args.backend)
 
+    # what the dispatch reads of q, v and g: device, dtype, heads and head dims
+    probe = [(x.rows_of("zigzag_per_doc") if isinstance(x, Sliced) else x)[:, :1] for x in (xs[0], xs[2], xs[3])]
+
     def pick_note(p):
-        return dispatch.decide(p, xs[0], xs[2], xs[3], args.backend).describe()
+        return dispatch.decide(p, *probe, args.backend).describe()
     zpd = c.plans["zigzag_per_doc"]
     qla = s.model == "GDN" and b.cuda
     methods = {
@@ -321,17 +332,30 @@ def under(patch, run, *args):
         run(*args)
 
 
-def gathered_reference(c: Case, rule, xs, do):
-    """(o, input gradients) of fla's CP call on the contiguous layout, gathered into the global order on
-    every rank: the rows' reference where one GPU cannot run the whole pack (its rows' ``err`` then
-    reads against fla's CP, the ``noCP`` rows record the failure). Held in host memory: the GPU already
-    holds the pack's inputs, and five more tensors of its size do not fit beside them (H = 64 at 1M
-    tokens: 64 GB each way)."""
+class Sliced:
+    """A global tensor of the pack held only as this rank's rows of each layout (``Case.index``), on
+    ``device``: where one GPU cannot hold the pack beside the steps' work (H = 64 at 1M tokens: q, k, v
+    and the output gradient take 16 GiB each, W times a rank's share). The whole pack is then
+    unavailable: the one-device rows (``rows_of(None)``) fail as out of memory, as they would."""
+
+    def __init__(self, t: torch.Tensor, index: dict, device):
+        self.rows = {lay: t[:, idx.to(t.device)].to(device) for lay, idx in index.items()}
+
+    def rows_of(self, layout):
+        if layout is None:
+            raise torch.OutOfMemoryError("one GPU cannot hold the pack (the one-device run ran out of memory)")
+        return self.rows[layout]
+
+
+def gathered_reference(c: Case, rule, pick, xs, do):
+    """(o, input gradients) of fla's CP call on the contiguous layout (``pick``: a global input's rows
+    there), gathered into the global order and kept as every layout's rows of this rank
+    (:class:`Sliced`) in host memory: the rows' reference where one GPU cannot run the whole pack (its
+    rows' ``err`` then reads against fla's CP). One result is whole at a time, in host memory."""
     W, plan = c.b.W, c.plans["contiguous"]
-    idx = c.index["contiguous"]
-    leaves = fresh_leaves(x[:, idx] for x in xs)
+    leaves = fresh_leaves(pick(x) for x in xs)
     o = rule(*leaves, plan=plan, group=dist.group.WORLD)
-    local = [o.detach(), *torch.autograd.grad(o, leaves, do[:, idx].contiguous())]
+    local = [o.detach(), *torch.autograd.grad(o, leaves, pick(do).contiguous())]
     del o, leaves
     where = [local_token_index(build_plan(c.cu, "contiguous", W, r, CONV)) for r in range(W)]
     out = []
@@ -341,8 +365,8 @@ def gathered_reference(c: Case, rule, xs, do):
         dist.all_gather(parts, t.contiguous())
         for w, part in zip(where, parts):
             full[:, w] = part.cpu()
-        out.append(full)
         del parts
+        out.append(Sliced(full, c.index, "cpu"))
     return out
 
 
