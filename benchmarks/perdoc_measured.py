@@ -160,10 +160,13 @@ class Case:
             self.write(dict(self.base, level=level, method=method, W=self.b.W, note=why))
 
     def timed(self, level, method, width, step, out, ref, note="", layout=None):
-        """Time ``step`` (one fwd+bwd returning its results), after checking ``out`` (its first results)
-        against ``ref`` (the one-device run's, in this rank's rows); a row over ``ERR_BOUND`` says so in its
-        note, with each result's error."""
-        errs = self.b.max_over_ranks([rel_err(a, r) for a, r in zip(out, ref)])
+        """Time ``step`` (one fwd+bwd returning its results), after checking ``out`` (its first results,
+        or a call returning them) against ``ref`` (the one-device run's, in this rank's rows; each may be a
+        call returning it, to bring it to the GPU only while compared); a row over ``ERR_BOUND`` says so in
+        its note, with each result's error. Neither is held while ``step`` is timed."""
+        out = out() if callable(out) else out
+        errs = self.b.max_over_ranks([rel_err(a, r() if callable(r) else r) for a, r in zip(out, ref)])
+        del out, ref
         err = max(errs)
         note = "; ".join(n for n in (note, self.ref_note) if n)
         if err > ERR_BOUND:
@@ -274,7 +277,7 @@ def ops_level(c: Case, args):
     def run(method, fn, layout, width, note=""):
         step, pick = fwd_bwd(fn, layout)
         note = note(c.plans[layout or "zigzag_per_doc"]) if callable(note) else note
-        c.timed("ops", method, width, step, step(), [pick(r) for r in ref], note,
+        c.timed("ops", method, width, step, step, [functools.partial(pick, r) for r in ref], note,
                 "contiguous" if layout == "contiguous" else None)
 
     def graphed(method, fn, layout, note):
