@@ -239,8 +239,8 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
     results = Path(__file__).parents[2] / "benchmarks" / "results"
-    for W in (2, 4):
-        with open(results / f"perdoc_h200x{W}.csv", newline="") as f:
+    for W, name in [(W, f"perdoc{run}_h200x{W}.csv") for W in (2, 4) for run in ("", "_heads")]:
+        with open(results / name, newline="") as f:
             for r in csv.DictReader(f):
                 if not r["ms"] or r["level"] == "-":
                     continue
