@@ -20,7 +20,7 @@ rank's own tokens.
   Where the heads divide over the ranks, the stream moves to head shards instead (``cp2hp``:
   megatron-core's all-to-all of the same five tensors, then the core's single-device call on the
   whole stream, with no state to exchange), which the measured rows found faster than the contiguous
-  layout (up to 1.28x) or within 4% of it wherever converting paid (BENCHMARKS.md). Not where an initial state is
+  layout or about level with it wherever converting paid (BENCHMARKS.md). Not where an initial state is
   passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
   lengths on the host), where ``KCP_STRATEGY`` or ``KCP_CONVERT`` is set, or where a backend is named
   (its core's step, not the single-device call, is what was asked for).
