@@ -18,7 +18,8 @@ Every rank of W in turn runs its fwd+bwd of ``kcp.gated_delta_rule`` on its shar
 rank's segments as its sequences (no exchange): what the library's call costs the host for the same work.
 
 ``--cprofile N`` also prints each rank's N costliest host functions (cProfile, one step); ``--gaps N`` its
-N longest spans of GPU idle inside the step, each with the kernel that ends it (torch.profiler).
+N longest spans of GPU idle inside the step, each with the kernel that ends it (torch.profiler);
+``--trace`` every kernel of the step in order, with its launch's host time.
 """
 from __future__ import annotations
 
@@ -133,10 +134,9 @@ def graphed(step, args) -> tuple[float | None, str]:
     return statistics.median(times), ""
 
 
-def gaps(step, rows: int) -> str:
-    """Where the GPU waits for the host within one step: the ``rows`` longest idle spans between kernels
-    (torch.profiler's trace), each with the kernel that ends it and how long after its launch it
-    started. A kernel that starts within a few us of its launch after a gap waited for the host."""
+def _kernel_trace(step):
+    """(every kernel, memcpy and memset of one step in GPU order, {correlation id: its launch's host
+    time}), in us, from torch.profiler's trace."""
     import json
     import tempfile
     from torch.profiler import ProfilerActivity, profile
@@ -145,11 +145,19 @@ def gaps(step, rows: int) -> str:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = json.load(trace)["traceEvents"]
+        with open(f.name) as fh:
+            events = json.load(fh)["traceEvents"]
     launch = {e["args"]["correlation"]: e["ts"] for e in events
               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ks = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    return ks, launch
+
+
+def gaps(step, rows: int) -> str:
+    """Where the GPU waits for the host within one step: the ``rows`` longest idle spans between kernels
+    (torch.profiler's trace), each with the kernel that ends it and how long after its launch it
+    started. A kernel that starts within a few us of its launch after a gap waited for the host."""
+    ks, launch = _kernel_trace(step)
     if not ks:
         return "no kernels"
     t0 = end = ks[0]["ts"]
@@ -164,6 +172,23 @@ def gaps(step, rows: int) -> str:
              f"{'idle us':>8} {'at us':>8} {'lag us':>8}  next kernel"]
     for g, at, lag, name in sorted(spans, reverse=True)[:rows]:
         lines.append(f"{g:8.0f} {at:8.0f} {lag:8.0f}  {name}")
+    return "\n".join(lines)
+
+
+def trace(step) -> str:
+    """Every kernel of one step in GPU order: when the host launched it and how long after the previous
+    launch (us from the first launch), when it ran and for how long: which launches a step could do
+    without, and where the host spends its time between them (profiled: the host is slower)."""
+    ks, launch = _kernel_trace(step)
+    if not ks:
+        return "no kernels"
+    hosts = [launch.get(e["args"].get("correlation"), e["ts"]) for e in ks]
+    h0, g0 = min(hosts), ks[0]["ts"]
+    lines = [f"{'#':>3} {'launch':>8} {'+host':>7} {'start':>8} {'dur':>7}  kernel (us)"]
+    prev = h0
+    for i, (e, h) in enumerate(zip(ks, hosts)):
+        lines.append(f"{i:3d} {h - h0:8.0f} {h - prev:7.0f} {e['ts'] - g0:8.0f} {e['dur']:7.0f}  {e['name'][:80]}")
+        prev = h
     return "\n".join(lines)
 
 
@@ -199,6 +224,7 @@ def main(argv=None):
                    help="also time fla's single-device call on each rank's segments (GPU)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print each rank's N costliest host functions")
     p.add_argument("--gaps", type=int, default=0, metavar="N", help="print each rank's N longest GPU idle spans")
+    p.add_argument("--trace", action="store_true", help="print each rank's kernels in order, with their launch times")
     p.add_argument("--csv", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, reference core, tiny sizes: checks the script")
     args = p.parse_args(argv)
@@ -257,6 +283,8 @@ def report(row: dict, make, what: str, args, cuda: bool) -> None:
                 row["note"] += f"; {why}" if why else ""
         if cuda and args.gaps:
             print(f"== gaps {what}\n{gaps(step, args.gaps)}")
+        if cuda and args.trace:
+            print(f"== trace {what}\n{trace(step)}")
         if args.cprofile:
             print(f"== {what}\n{host_profile(step, args.cprofile)}")
     except torch.OutOfMemoryError:
