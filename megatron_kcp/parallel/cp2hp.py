@@ -59,34 +59,56 @@ class CP2HP(ExchangeStrategy):
         o = core.single_device(q, k, v, g[..., 0] if gdn else g, beta[..., 0], scale=scale, initial_state=None,
                                use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=order.cu,
                                cu_seqlens_cpu=order.cu_cpu)[0]                       # [T, HV/W, V]
-        o = o.index_select(0, order.pos).view(W, Tl, HV // W, -1)
+        o = Permute.apply(o, order.pos, order.inv).view(W, Tl, HV // W, -1)
         return AllToAll.apply(o, group).transpose(0, 1).reshape(1, Tl, HV, -1)
 
 
 def to_heads(order: TokenOrder, group, xs):
     """[1, T/W, H_i, d_i] (this rank's tokens, all heads) -> [1, T, H_i/W, d_i] (all tokens, my heads),
     each input split by its own head count (q and k may have fewer heads than v, g and beta), in one
-    all-to-all: every rank's share of every input side by side in a row."""
+    all-to-all: every rank's share of every input side by side in a row. Two passes over the data:
+    the packing (one ``cat`` of the inputs' per-rank views) and, per input, one gather of its columns
+    into stream order."""
     W, Tl, wire = order.W, xs[0].shape[1], xs[0].dtype
     bits = [x[0] if x.dtype == wire else x[0].view(wire) for x in xs]                      # [T/W, H_i, d_i]
-    y = torch.cat([x.reshape(Tl, W, -1) for x in bits], -1).transpose(0, 1)               # [W, T/W, D]
-    y = all_to_all(y, group).flatten(0, 1).index_select(0, order.inv)                     # [T, D]
+    y = torch.cat([x.reshape(Tl, W, -1).transpose(0, 1) for x in bits], -1)              # [W, T/W, D]
+    y = all_to_all(y, group).flatten(0, 1)                                                # [T, D], rank order
     parts = y.split([b[0].numel() // W for b in bits], -1)
-    return [t.reshape(len(t), b.shape[1] // W, -1).contiguous().view(x.dtype)[None]
+    return [t.index_select(0, order.inv).view(len(t), b.shape[1] // W, -1).view(x.dtype)[None]
             for t, b, x in zip(parts, bits, xs)]
 
 
 def to_seq(order: TokenOrder, group, grads, meta):
     """The way back, for the gradients: [1, T, H_i/W, d_i] -> [1, T/W, H_i, d_i]; ``meta`` holds the
-    inputs' (shape, dtype), the first one's dtype being the wire's."""
+    inputs' (shape, dtype), the first one's dtype being the wire's. Two passes over the data: each
+    gradient gathered into rank order straight into its columns of the packed rows, and the unpacking."""
     W, Tl, wire = order.W, meta[0][0][1], meta[0][1]
-    bits = [(d if d is not None else torch.zeros(1, Tl * W, s[2] // W, s[3], dtype=t, device=order.pos.device))[0]
-            for d, (s, t) in zip(grads, meta)]
-    bits = [(d if d.dtype == wire else d.view(wire)).reshape(Tl * W, -1) for d in bits]
-    y = torch.cat(bits, -1).index_select(0, order.pos).view(W, Tl, -1)
-    y = all_to_all(y, group).transpose(0, 1)                                              # [T/W, W, D]
+    widths = [s[2] // W * s[3] * torch.finfo(t).bits // torch.finfo(wire).bits for s, t in meta]
+    y = torch.empty(Tl * W, sum(widths), dtype=wire, device=order.pos.device)
+    for d, col in zip(grads, y.split(widths, -1)):
+        if d is None:
+            col.zero_()
+        else:
+            torch.index_select((d[0] if d.dtype == wire else d[0].view(wire)).reshape(Tl * W, -1), 0, order.pos,
+                               out=col)
+    y = all_to_all(y.view(W, Tl, -1), group).transpose(0, 1)                             # [T/W, W, D]
     return [t.reshape(Tl, s[2], -1).contiguous().view(dt)[None]
-            for t, (s, dt) in zip(y.split([b.shape[1] for b in bits], -1), meta)]
+            for t, (s, dt) in zip(y.split(widths, -1), meta)]
+
+
+class Permute(torch.autograd.Function):
+    """``x.index_select(0, pos)`` for a permutation ``pos``, whose adjoint is the gather by its inverse
+    ``inv``: a copy each way, where autograd's own adjoint of ``index_select`` zero-fills and
+    scatter-adds."""
+
+    @staticmethod
+    def forward(ctx, x, pos, inv):
+        ctx.inv = inv
+        return x.index_select(0, pos)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.index_select(0, ctx.inv), None, None
 
 
 class SeqToHeads(torch.autograd.Function):
