@@ -110,26 +110,29 @@ def _pick(x: torch.Tensor | None, sel: Selection) -> torch.Tensor | None:
     return x if x is None or sel.rows is None else x.index_select(0, sel.rows)
 
 
-def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new) -> torch.Tensor | None:
+def state_pass(sel: Selection, k, w, u, g, gk, h0, h, v_new, final: bool = True) -> torch.Tensor | None:
     """fla's forward state pass on the selected segments, writing their chunk states ``h`` and new
-    values ``v_new`` in place; returns their final states. ``h0=None``: every initial state is zero
-    and no final state is written (fla's kernel then reads and writes no state rows)."""
+    values ``v_new`` in place; returns their final states, or None where ``final`` is False (nobody
+    takes them). ``h0=None``: every initial state is zero and no final state is written (fla's
+    kernel then reads and writes no state rows)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
     H, K, HV, V = *k.shape[2:], *u.shape[2:]
-    ht = None if h0 is None else h0.new_empty(sel.num_programs, HV, K, V)
+    ht = None if h0 is None or not final else h0.new_empty(sel.num_programs, HV, K, V)
     kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
         k=k, v=u, w=w, v_new=v_new, g=g, gk=gk, h=h, h0=_spread(h0, sel), ht=ht, cu_seqlens=sel.cu,
         chunk_offsets=sel.offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=CHUNK, STATE_V_FIRST=False)
     return _pick(ht, sel)
 
 
-def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale) -> torch.Tensor | None:
+def state_grad_pass(sel: Selection, q, k, w, g, gk, do, dv, dht, dh, dv2, scale,
+                    initial: bool = True) -> torch.Tensor | None:
     """fla's state-gradient pass on the selected segments, writing their chunk state gradients ``dh``
-    and value gradients ``dv2`` in place; returns the gradients of their initial states. ``dht=None``:
-    every final-state gradient is zero and no initial-state gradient is written."""
+    and value gradients ``dv2`` in place; returns the gradients of their initial states, or None where
+    ``initial`` is False (nobody takes them). ``dht=None``: every final-state gradient is zero and no
+    initial-state gradient is written."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
     H, K, HV, V = *q.shape[2:], *do.shape[2:]
-    dh0 = None if dht is None else dht.new_empty(sel.num_programs, HV, K, V)
+    dh0 = None if dht is None or not initial else dht.new_empty(sel.num_programs, HV, K, V)
     kernel[lambda m: (-(-V // m['BV']) * sel.num_programs * HV,)](
         q=q, k=k, w=w, g=g, gk=gk, dht=_spread(dht, sel), dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
         cu_seqlens=sel.cu, chunk_offsets=sel.offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V,
@@ -156,13 +159,23 @@ def _split_by_rows(rows: tuple[int, ...], segs: tuple[int, ...]):
     return tuple(segs[j] for j in at), tuple(s for s in segs if s not in need), at
 
 
+@functools.lru_cache(maxsize=256)
+def _taken(plan: KCPPlan, live: frozenset | None, rows: tuple[int, ...], grad: bool) -> bool:
+    """Whether anyone takes a row a pass on ``rows`` returns: a final state, where a segment has a
+    successor; for ``grad`` an initial-state gradient, where a segment has a predecessor or starts a
+    sequence with a state the user passed (in ``live``; None: any may)."""
+    if grad:
+        return live is None or any(plan.pred[s] is not None or s in live for s in rows)
+    return any(plan.succ[s] is not None for s in rows)
+
+
 def _in_order(out, at: tuple[int, ...], n: int, like):
     """A row per segment of a range of ``n`` from ``out``, the rows of the segments at positions ``at``
-    (the others' rows undefined: nobody reads them)."""
-    if len(at) == n:
+    (the others' rows undefined: nobody reads them; every row where ``out`` is None)."""
+    if len(at) == n and out is not None:
         return out
     full = like.new_empty(n, *like.shape[1:])
-    if at:
+    if at and out is not None:
         full.index_copy_(0, index_tensor(at, full.device), out)
     return full
 
@@ -226,7 +239,10 @@ class _FLACore:
         and tokens."""
         dev = str(h0.device)
         rows, free, at = _by_state_rows(P, segs)
-        out = state_pass(_selection(P.plan, lo, hi, rows, dev), *xs, h0, h, v_new) if rows else None
+        out = None
+        if rows:
+            out = state_pass(_selection(P.plan, lo, hi, rows, dev), *xs, h0, h, v_new,
+                             final=_taken(P.plan, P.live, rows, grad=False))
         if free:
             state_pass(_selection(P.plan, lo, hi, free, dev), *xs, None, h, v_new)
         return _in_order(out, at, len(rows) + len(free), h0)
@@ -260,7 +276,8 @@ class _FLACore:
         rows, free, at = _by_state_rows(P, segs)
         out = None
         if rows:
-            out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, dv, dht, dh, dv2, P.scale)
+            out = state_grad_pass(_selection(P.plan, B.lo, B.hi, rows, dev), *xs, dv, dht, dh, dv2, P.scale,
+                                  initial=_taken(P.plan, P.live, rows, grad=True))
         if free:
             state_grad_pass(_selection(P.plan, B.lo, B.hi, free, dev), *xs, dv, None, dh, dv2, P.scale)
         return _in_order(out, at, len(rows) + len(free), dht)

@@ -35,11 +35,16 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
     long as a sequence has parts (64 for 1M tokens over W = 8 in parts of 16384), and a launch a
     step would leave the step waiting for its host. Elsewhere :func:`fold_reference`. Where every
     chain has one source (each crossing document in two pieces: the contiguous layout at W = 2, where
-    the mixers convert to), a chain's state is its source's H, and the fold is two index copies."""
+    the mixers convert to), a chain's state is its source's H, and the fold is two index copies (one
+    copy for one chain: a rank of the contiguous layout receives one state each way)."""
     if not chains:
         return
     if all(len(c.sources) == 1 for c in chains):
         V = out.shape[-1]
+        if len(chains) == 1:                    # one copy (a rank of the contiguous layout receives one)
+            (r, s), = chains[0].sources
+            out[chains[0].segment].copy_(gathered[r, s, ..., :V])
+            return
         rows = index_tensor([r * gathered.shape[1] + s for c in chains for r, s in c.sources], out.device)
         out.index_copy_(0, index_tensor([c.segment for c in chains], out.device),
                         gathered.flatten(0, 1)[..., :V].index_select(0, rows))
