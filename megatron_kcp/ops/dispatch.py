@@ -20,7 +20,9 @@ rank's own tokens.
   Where the heads divide over the ranks, the stream moves to head shards instead (``cp2hp``:
   megatron-core's all-to-all of the same five tensors, then the core's single-device call on the
   whole stream, with no state to exchange), which the measured rows found faster than the contiguous
-  layout or about level with it wherever converting paid (BENCHMARKS.md). Not where an initial state is
+  layout or about level with it wherever converting paid (BENCHMARKS.md); where no document is longer
+  than a rank's share (so the call runs as many scans side by side as a rank's step), also where that
+  move alone pays at its own price (no layout cost left, ``HEADS_CONVERT_BW``). Not where an initial state is
   passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
   lengths on the host), where ``KCP_STRATEGY`` or ``KCP_CONVERT`` is set, or where a backend is named
   (its core's step, not the single-device call, is what was asked for).
@@ -128,16 +130,23 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         if strategy == "convert":
             return moved
         stay = _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, "stay", max_segment, forced)
-        cu = plan.global_cu_seqlens
-        saves = core_saving(stay.core, moved.core, -(-cu[-1] // W), value_heads, head_dims[1])
-        if not convert_pays(cu, plan.layout, W, value_heads, head_dims[1],
-                            op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4, core_saves=saves):
-            return stay
+        cu, local = plan.global_cu_seqlens, -(-plan.global_cu_seqlens[-1] // W)
+        moves = functools.partial(convert_pays, cu, plan.layout, W, value_heads, head_dims[1],
+                                  op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4)
+        heads = None
         if backend == "auto" and heads_free and forced == (None, None) and max_segment is None and \
                 not (qk_heads % W or value_heads % W):
-            return Dispatch("reference" if not cuda else "qla" if qla_runs(device, dtype, kda, head_dims) else "fla",
-                            "cp2hp", 0)
-        return moved
+            heads = Dispatch("reference" if not cuda else "qla" if qla_runs(device, dtype, kda, head_dims) else "fla",
+                             "cp2hp", 0)
+            # its single-device call keeps a rank's parallelism (scans side by side) only where no document
+            # is longer than a rank's share; there it is weighed at its own price
+            if max(b - a for a, b in zip(cu, cu[1:])) <= local and \
+                    moves(target="heads", core_saves=core_saving(stay.core, heads.core, local, value_heads,
+                                                                 head_dims[1])):
+                return heads
+        if not moves(core_saves=core_saving(stay.core, moved.core, local, value_heads, head_dims[1])):
+            return stay
+        return heads or moved
     if strategy in ("convert", "stay"):
         strategy = "auto"                # nothing to convert, or the layout kept
     if backend == "auto" and max_segment is None and W == 1 and cuda:

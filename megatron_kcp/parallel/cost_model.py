@@ -46,6 +46,12 @@ CONVERT_ENV = "KCP_CONVERT"
 # benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
 # contiguous documents (BENCHMARKS.md, packed documents measured)
 CONVERT_BW = 100e9
+# the same for the op's move to head shards (megatron-core's all-to-all of q, k, v, g, beta and o, each way
+# packed in one pass and unpacked in one: parallel/cp2hp.py): least squares over the measured KDA op rows of
+# benchmarks/results/perdoc_heads_pack_h200x2.csv, the head-shard step less fla's one-GPU call on the pack
+# over W (the same call at HV / W heads), 10 to 300 documents
+# (tests/layers/test_layout.py::test_head_shard_price_fits_the_measured_rows)
+HEADS_CONVERT_BW = 140e9
 # what flash-qla's GDN core saves against fla's, s per token and value head of a step (fwd+bwd, K = V = 128): a
 # conversion that lets a rank run flash-qla where Megatron's layout leaves it fla's kernels (too many
 # per-document segments) also saves that. Least squares over fla's one-GPU call less flash-qla's on the same
@@ -117,17 +123,21 @@ def cuts(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> int:
                if p.stage[i] == 0)
 
 
-def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float) -> float:
+def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float,
+                    bandwidth: float = CONVERT_BW) -> float:
     """Seconds of a conversion: ``messages`` all-to-alls, moving ``bytes_per_token`` in all per token of
-    the stream (a rank keeps 1/W of its rows) at ``CONVERT_BW``."""
-    return messages * ALPHA + tokens / world_size * bytes_per_token * (world_size - 1) / world_size / CONVERT_BW
+    the stream (a rank keeps 1/W of its rows) at ``bandwidth`` (``CONVERT_BW``; ``HEADS_CONVERT_BW`` to
+    head shards)."""
+    return messages * ALPHA + tokens / world_size * bytes_per_token * (world_size - 1) / world_size / bandwidth
 
 
 def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,
                  bytes_per_token: float, messages: float, target: str = "contiguous", core_saves: float = 0.0) -> bool:
     """Whether moving the stream from ``layout`` to ``target`` (what it costs: :func:`conversion_cost`)
     saves more than it costs (:func:`layout_cost` of both, and ``core_saves``: the seconds a step's core
-    saves in ``target``, see :func:`core_saving`). ``KCP_CONVERT=1`` / ``0`` forces it."""
+    saves in ``target``, see :func:`core_saving`). ``target="heads"``: to head shards, where nothing
+    crosses a rank (no layout cost) and the move has its own price (``HEADS_CONVERT_BW``).
+    ``KCP_CONVERT=1`` / ``0`` forces it."""
     forced = os.environ.get(CONVERT_ENV)
     if forced:
         if forced not in ("0", "1"):
@@ -135,9 +145,11 @@ def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, head
         return forced == "1" and layout != target and world_size > 1
     if layout == target or world_size == 1:
         return False
-    saved = layout_cost(cu_seqlens, layout, world_size, heads, head_dim) - \
-        layout_cost(cu_seqlens, target, world_size, heads, head_dim) + core_saves
-    return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages)
+    to_heads = target == "heads"
+    saved = layout_cost(cu_seqlens, layout, world_size, heads, head_dim) + core_saves - \
+        (0.0 if to_heads else layout_cost(cu_seqlens, target, world_size, heads, head_dim))
+    return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages,
+                                   HEADS_CONVERT_BW if to_heads else CONVERT_BW)
 
 
 def core_saving(stay: str, moved: str, local_tokens: int, heads: int, head_dim: int) -> float:

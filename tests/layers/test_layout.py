@@ -215,7 +215,8 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
 
 def test_conversion_model_against_the_measured_steps(monkeypatch):
     """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
-    perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv): wherever both our
+    perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv, and since its packing
+    perdoc_heads_pack_h200x2.csv, whose head-shard rows replace the older ones): wherever both our
     converted step (the default's row where it converted, or ``kcp-convert``) and our step left on
     Megatron's layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer
     and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the
@@ -239,7 +240,8 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
     results = Path(__file__).parents[2] / "benchmarks" / "results"
-    for W, name in [(W, f"perdoc{run}_h200x{W}.csv") for W in (2, 4) for run in ("", "_heads")]:
+    for W, name in [(W, f"perdoc{run}_h200x{W}.csv") for W in (2, 4) for run in ("", "_heads", "_heads_pack")
+                    if (results / f"perdoc{run}_h200x{W}.csv").exists()]:
         with open(results / name, newline="") as f:
             for r in csv.DictReader(f):
                 if not r["ms"] or r["level"] == "-":
@@ -271,6 +273,68 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     dispatch._decide.cache_clear()
     assert len(picks) >= 25 and any(p[5] == "heads" for p in picks), picks
     assert all(loss <= 1.10 for *_, loss in picks), [p for p in picks if p[-1] > 1.10]
+
+
+def test_head_shard_price_fits_the_measured_rows():
+    """``cost_model.HEADS_CONVERT_BW`` is the least-squares bandwidth of the op's move to head shards on the
+    measured KDA rows since its packing (benchmarks/results/perdoc_heads_pack_h200x2.csv, W = 2, 10, 100
+    and 300 documents): the head-shard step (``cp2hp``) less fla's one-GPU call on the pack over W (the
+    same call at HV / W heads) less the all-to-alls' latency, against the bytes a rank sends. On that
+    price the op moves to head shards at 100 documents and stays at 10, as the rows say it should."""
+    import csv
+    from pathlib import Path
+
+    from benchmarks.common import cu_seqlens
+    from megatron_kcp.ops.dispatch import op_bytes_per_token
+    from megatron_kcp.parallel import cost_model
+    ms = {}
+    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_heads_pack_h200x2.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["level"] == "ops" and r["model"] == "KDA":
+                ms.setdefault((r["docs"], int(r["tokens"])), {})[r["method"]] = float(r["ms"]) * 1e-3
+    assert len(ms) >= 3, sorted(ms)
+    op = op_bytes_per_token(32, 32, (128, 128), True, torch.bfloat16)
+    num = den = 0.0
+    for (docs, T), m in ms.items():
+        sent = T / 2 * op / 2
+        num += sent * sent
+        den += sent * (m["cp2hp"] - m["noCP"] / 2 - 4 * cost_model.ALPHA)
+    assert abs(cost_model.HEADS_CONVERT_BW / (num / den) - 1) < 0.05, (num / den, cost_model.HEADS_CONVERT_BW)
+    for docs, moves in (("varlen100", True), ("varlen", False)):
+        cu = cu_seqlens(docs, 32768, pad=4)
+        assert cost_model.convert_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, target="heads") == moves, docs
+        assert (ms[(docs, 32768)]["cp2hp"] < ms[(docs, 32768)]["kcp"]) == moves, (docs, ms[(docs, 32768)])
+
+
+def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
+    """Priced by the exchange it saves alone, the move to head shards would pay on one long sequence, where
+    the single-device call at HV / W heads runs latency-bound scans (one 128k sequence at W = 2: 23.64 ms
+    on head shards against 8.97, BENCHMARKS.md); the op weighs it at its own price only where no document
+    is longer than a rank's share, so there it keeps its split step. 100 documents (Kimi-Linear, W = 2)
+    move."""
+    from benchmarks.common import cu_seqlens
+    from megatron_kcp.ops import dispatch
+    from megatron_kcp.parallel.cost_model import convert_pays
+    from megatron_kcp.parallel.plan import all_plans
+    monkeypatch.delenv("KCP_CONVERT", raising=False)
+    monkeypatch.delenv("KCP_STRATEGY", raising=False)
+    monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
+
+    def pick(docs, T, W, kda):
+        heads = (32, 32) if kda else (16, 32)
+        plan = all_plans(cu_seqlens(docs, T, pad=2 * W), "zigzag_per_doc", W)[0]
+        return dispatch._decide(plan, torch.device("cuda"), torch.bfloat16, kda, (128, 128), heads[1], heads[0],
+                                "auto", "auto", None, (None, None), True)
+    dispatch._decide.cache_clear()
+    try:
+        op = dispatch.op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
+        for T, W in ((32768, 4), (131072, 4), (131072, 8), (1048576, 8)):
+            assert convert_pays(cu_seqlens("single", T, pad=2 * W), "zigzag_per_doc", W, 32, 128, op, 4,
+                                target="heads"), (T, W)
+            assert pick("single", T, W, kda=False).strategy == "gather", (T, W)
+        assert pick("varlen100", 32768, 2, kda=True).strategy == "cp2hp"
+    finally:
+        dispatch._decide.cache_clear()
 
 
 def test_cut_price_fits_the_measured_rows():
