@@ -216,12 +216,13 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
 def test_conversion_model_against_the_measured_steps(monkeypatch):
     """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
     perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv, and since its packing
-    perdoc_heads_pack_h200x2.csv, whose head-shard rows replace the older ones): wherever both our
-    converted step (the default's row where it converted, or ``kcp-convert``) and our step left on
-    Megatron's layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer
-    and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the
-    dispatch's, with the cores of the H200 the rows ran on (flash-qla's for GDN where it runs, so the
-    cores' difference counts); where it moves to head shards, its time is the default's own row where
+    perdoc_heads_pack_h200x2.csv, whose head-shard rows replace the older ones; on 4 x H100,
+    perdoc_heads_pack_h100x4.csv, its rows compared only with each other): wherever both our converted
+    step (the default's row where it converted, or ``kcp-convert``) and our step left on Megatron's
+    layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer and block
+    level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the dispatch's,
+    with the cores of the Hopper GPUs the rows ran on (flash-qla's for GDN where it runs, so the cores'
+    difference counts); where it moves to head shards, its time is the default's own row where
     one was timed, else the measured cp2hp row of that call (``cp2hp-qla`` for GDN, ``cp2hp`` for KDA),
     and the faster of all three steps is the yardstick. 10%: the spread of one case between runs on two
     hosts of one kind (BENCHMARKS.md, packed documents, run to run), where the steps are close; a wrong
@@ -240,14 +241,15 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
     results = Path(__file__).parents[2] / "benchmarks" / "results"
-    for W, name in [(W, f"perdoc{run}_h200x{W}.csv") for W in (2, 4) for run in ("", "_heads", "_heads_pack")
-                    if (results / f"perdoc{run}_h200x{W}.csv").exists()]:
+    files = [(gpu, W, f"perdoc{run}_{gpu}x{W}.csv") for gpu in ("h200", "h100") for W in (2, 4)
+             for run in ("", "_heads", "_heads_pack")]
+    for gpu, W, name in [f for f in files if (results / f[2]).exists()]:
         with open(results / name, newline="") as f:
             for r in csv.DictReader(f):
                 if not r["ms"] or r["level"] == "-":
                     continue
                 converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
-                key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W)
+                key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W, gpu)
                 if r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted:
                     steps.setdefault(key, {})[converted] = float(r["ms"])
                 if r["level"] == "ops" and (r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla") or
@@ -256,7 +258,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
     picks = []
     dispatch._decide.cache_clear()
-    for (level, model, docs, T, W), ms in steps.items():
+    for (level, model, docs, T, W, gpu), ms in steps.items():
         if len([m for m in ms if m != "heads"]) < 2:
             continue
         s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], cu_seqlens(docs, T, pad=2 * W)
@@ -269,9 +271,9 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
             ms.pop("heads", None)
         if pick not in ms:               # the picked step was not timed in this case
             continue
-        picks.append((level, model, docs, T, W, pick, ms[pick] / min(ms.values())))
+        picks.append((level, model, docs, T, W, gpu, pick, ms[pick] / min(ms.values())))
     dispatch._decide.cache_clear()
-    assert len(picks) >= 25 and any(p[5] == "heads" for p in picks), picks
+    assert len(picks) >= 25 and any(p[6] == "heads" for p in picks) and any(p[5] == "h100" for p in picks), picks
     assert all(loss <= 1.10 for *_, loss in picks), [p for p in picks if p[-1] > 1.10]
 
 
