@@ -118,6 +118,10 @@ class KCPKimiDeltaAttention(MegatronModule):
             raise TypeError("KCPKimiDeltaAttention takes strategy=, not exchange=: rename it (e.g. strategy='cp2hp')")
         if strategy not in dispatch.STRATEGY_NAMES:
             raise ValueError(f"strategy={strategy!r}: use one of {dispatch.STRATEGY_NAMES}")
+        if strategy == "fla-cp":
+            raise ValueError("strategy='fla-cp' is the op's (fla's own CP call, on the contiguous layout), and the "
+                             "mixer's layout follows the cost model: use strategy='auto' (or call "
+                             "kcp.gated_delta_rule with it on a contiguous plan)")
         if strategy == "cp2hp" and pg_collection.cp.size() > 1:
             check_cp2hp(self.H // tp, self.HV // tp, pg_collection.cp.size())
         self.strategy = strategy

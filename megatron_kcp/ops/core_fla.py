@@ -317,6 +317,13 @@ class _FLACore:
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                          cu_seqlens_cpu=cu_seqlens_cpu)
 
+    def cp_call(self, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, cp_context):
+        """o of fla's own CP call on this rank's part of a contiguous stream (``cp_context``: fla's
+        ``build_cp_context``; :mod:`megatron_kcp.parallel.fla_cp`), with autograd. fla keeps GDN's call
+        on its own kernels there: flash-qla refuses a CP context."""
+        return fla_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         cp_context=cp_context)
+
 
 class GDNCore(_FLACore):
     """Gated DeltaNet: one log-decay per head (``g`` ``[1, T, HV]``)."""

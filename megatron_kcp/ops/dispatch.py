@@ -26,6 +26,8 @@ rank's own tokens.
   passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
   lengths on the host), where ``KCP_STRATEGY`` or ``KCP_CONVERT`` is set, or where a backend is named
   (its core's step, not the single-device call, is what was asked for).
+* fla's own CP call (``strategy="fla-cp"``, on the contiguous layout, fla's kernels): only where
+  asked for; :mod:`megatron_kcp.parallel.fla_cp` says where the measured rows favour it.
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
   segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
@@ -43,6 +45,7 @@ from megatron_kcp.environment import qla_runs
 from megatron_kcp.parallel.convert import ConvertLayout, target_plan
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, core_saving, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
+from megatron_kcp.parallel.fla_cp import FlaCP
 from megatron_kcp.parallel.gather import AllGather
 from megatron_kcp.parallel.plan import KCPPlan, all_plans, capturing
 from megatron_kcp.parallel.relay import Relay
@@ -50,9 +53,9 @@ from megatron_kcp.parallel.single import SingleDevice
 from megatron_kcp.parallel.strategy import ExchangeStrategy
 
 BACKENDS = ("auto", "reference", "fla", "qla")
-STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert")
+STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert", "fla-cp")
 # the strategies by name (``none``: no exchange, the core's single-device call)
-STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGather(), CP2HP(), SingleDevice())}
+STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGather(), CP2HP(), FlaCP(), SingleDevice())}
 
 # flash-qla against fla, fitted on GPU runs (BENCHMARKS.md): where a rank's scans are too few to fill
 # the GPU, or its per-document segments too many, fla's kernels are faster
@@ -68,14 +71,15 @@ QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add exchange slots and fol
 class Dispatch:
     """What one call runs."""
     core: str          # reference | fla | qla
-    strategy: str      # relay | gather | cp2hp | none (no exchange: the core's single-device call)
+    strategy: str      # relay | gather | cp2hp | fla-cp | none (no exchange: the core's single-device call)
     max_segment: int   # local segments split into parts of at most this many tokens (0: not split)
     layout: str = ""   # the layout the exchange runs in, the stream moved there and back ("": the plan's)
 
     def describe(self) -> str:
         """``strategy S, core C`` as the ``KCP active`` line prints it."""
         core = {"reference": "reference (PyTorch)", "fla": "fla", "qla": "flash-qla"}[self.core]
-        strategy = "none (the core's single-device call)" if self.strategy == "none" else self.strategy
+        strategy = {"none": "none (the core's single-device call)",
+                    "fla-cp": "fla-cp (fla's own CP call)"}.get(self.strategy, self.strategy)
         split = f", segments split into parts of {self.max_segment} tokens" if self.max_segment else ""
         moved = f", in the {self.layout} layout (the op's inputs moved there and back)" if self.layout else ""
         return f"strategy {strategy}, core {core}{split}{moved}"
@@ -95,7 +99,7 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
         q: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; g: ``[1, T, HV]`` (GDN) or ``[1, T, HV, K]`` (KDA):
             only their device, dtype and shapes are read.
         backend: ``auto`` | ``reference`` | ``fla`` | ``qla``.
-        strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp``.
+        strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp`` | ``convert`` | ``fla-cp``.
         max_segment: None (the kernels' pick), 0 (never split) or a length.
         initial_state: the call's, or None: only whether one is passed is read.
     """
@@ -116,6 +120,13 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
             forced, heads_free=False) -> Dispatch:
     """``heads_free``: the call may move to head shards (no initial state, no graph capture)."""
     cuda, W = device.type == "cuda", plan.world_size
+    if strategy == "fla-cp" and W > 1:
+        if not cuda or backend not in ("auto", "fla") or max_segment:
+            raise ValueError("strategy 'fla-cp' is fla's own CP call: it runs fla's kernels on CUDA, its segments "
+                             "whole: use backend 'auto' or 'fla' and no max_segment, or a KCP strategy (relay, gather)")
+        return Dispatch("fla", "fla-cp", 0)
+    if strategy == "fla-cp":
+        strategy = "auto"                # one rank: nothing to exchange
     if strategy == "cp2hp" and W > 1:
         if max_segment:
             raise ValueError("max_segment splits KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "

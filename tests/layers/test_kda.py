@@ -55,6 +55,8 @@ def _bad_configs():
         build("kda", config("kda", CPU, 1, 2, linear_key_head_dim=512), pg)
     with pytest.raises(ValueError, match="linear_num_key_heads=3 must be divisible by the tensor-parallel size 2"):
         build("kda", config("kda", CPU, 1, 2, linear_num_key_heads=3, linear_num_value_heads=6), pg)
+    with pytest.raises(ValueError, match="strategy='fla-cp' is the op's"):
+        build("kda", config("kda", CPU, 1, 2), pg, strategy="fla-cp")
 
 
 @pytest.mark.slow

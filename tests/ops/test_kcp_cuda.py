@@ -361,6 +361,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 # own), where the heads split over the ranks
                 strategies = ("relay", "auto", "split") if backend == "qla" else STRATEGIES
                 strategies += ("convert",) if layout != "contiguous" else ()     # to contiguous and back
+                strategies += ("fla-cp",) if layout == "contiguous" and backend == "fla" else ()   # fla's own CP
                 for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
                     errs = _errors(_run(plan, group, loc[:5], loc[5], strategy, local_conv, backend), oracle,
                                    single, plan, group)
