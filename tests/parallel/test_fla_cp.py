@@ -48,3 +48,40 @@ def test_fla_cp_refuses_what_it_cannot_run_and_names_the_fix():
         m.setattr(fla_cp, "capturing", lambda: True)
         with pytest.raises(ValueError, match="CUDA graph capture"):
             FlaCP().check(q, v, plan, None)
+
+
+def test_fla_cp_hands_fla_the_plans_stream_and_the_ops_arguments(monkeypatch):
+    """What the strategy passes fla (its kernels stood in): the CP context of the plan's global stream
+    in the contiguous layout over the op's group, built once per plan; the call with that context, the
+    op's scale and l2norm, the gate in fp32, and nothing fla's CP call refuses (initial state, final
+    state, a cu_seqlens of its own)."""
+    import fla.ops.cp
+    import fla.ops.kda
+
+    from megatron_kcp.ops.core_fla import KDACore
+    from megatron_kcp.parallel import fla_cp
+    built, calls = [], []
+
+    def build_cp_context(cu, group, cu_seqlens_cpu, layout):
+        built.append((cu.tolist(), group, cu_seqlens_cpu.tolist(), layout))
+        return "context"
+
+    def chunk_kda(q, k, v, g, beta, **kw):
+        calls.append((g.dtype, kw))
+        return v * 2, None
+    monkeypatch.setattr(fla.ops.cp, "build_cp_context", build_cp_context)
+    monkeypatch.setattr(fla.ops.kda, "chunk_kda", chunk_kda)
+    fla_cp.context.cache_clear()
+    plan = all_plans(cu_seqlens("varlen", 4096, pad=4), "contiguous", 2)[1]
+    T = plan.num_local_tokens
+    q, k = torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8)
+    v, g, beta = torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8, dtype=torch.bfloat16), torch.rand(1, T, 2)
+    for _ in range(2):
+        o = FlaCP().apply(KDACore(), q, k, v, g, beta, plan, "group", scale=0.25, initial_state=None,
+                          use_qk_l2norm=True)
+    assert torch.equal(o, v * 2)
+    cu = list(plan.global_cu_seqlens)
+    assert built == [(cu, "group", cu, "contiguous")]
+    assert calls[0] == (torch.float32, dict(output_final_state=False, scale=0.25, use_qk_l2norm_in_kernel=True,
+                                            cp_context="context"))
+    fla_cp.context.cache_clear()
