@@ -249,9 +249,8 @@ def ops_level(c: Case, args):
     def rows(layout):
         """This rank's rows of a global tensor (or of a :class:`Sliced` one), on the device."""
         def pick(t):
-            if isinstance(t, Sliced):
-                return t.rows_of(layout).to(b.device)
-            return (t if layout is None else t[:, c.index[layout].to(t.device)]).to(b.device)
+            return (t.rows_of(layout) if isinstance(t, Sliced) else t if layout is None
+                    else take(t, c.index[layout])).to(b.device)
         return pick
     if ref is None:
         if b.cuda:
@@ -335,6 +334,11 @@ def under(patch, run, *args):
         run(*args)
 
 
+def take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows ``index`` (a rank's tokens in one layout) of a global ``[1, T, ...]`` tensor, where ``t`` is."""
+    return t[:, index.to(t.device)]
+
+
 class Sliced:
     """A global tensor of the pack held only as this rank's rows of each layout (``Case.index``), on
     ``device``: where one GPU cannot hold the pack beside the steps' work (H = 64 at 1M tokens: q, k, v
@@ -342,7 +346,7 @@ class Sliced:
     unavailable: the one-device rows (``rows_of(None)``) fail as out of memory, as they would."""
 
     def __init__(self, t: torch.Tensor, index: dict, device):
-        self.rows = {lay: t[:, idx.to(t.device)].to(device) for lay, idx in index.items()}
+        self.rows = {lay: take(t, idx).to(device) for lay, idx in index.items()}
 
     def rows_of(self, layout):
         if layout is None:
