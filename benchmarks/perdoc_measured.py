@@ -21,7 +21,9 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   Megatron-LM dev's scheme, an all-to-all of the op's inputs to the contiguous layout, fla's CP call
   (``build_cp_context``) and back; ``fla-cp``: fla's CP call on the same documents fed contiguous;
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
-  default, its pick in ``note``); ``kcp-convert`` (by name): ours converting the op's inputs
+  default, its pick in ``note``); ``kcp-gather`` (by name, every level): the default with
+  ``KCP_STRATEGY=gather``, our all-gather step where the default picks another (fla's CP call for KDA
+  on the contiguous layout); ``kcp-convert`` (by name): ours converting the op's inputs
   (``KCP_CONVERT=1``), to time the pick the cost model did not make; ``kcp-graph`` (by name): the
   default's step with its exchange captured once in a CUDA graph and replayed (the plan's documents
   fixed, as capture needs);
@@ -31,7 +33,7 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   ``noCP`` (``-qla``): the mixer at CP = 1 on the whole pack (fla's call; flash-qla's, handed it by fla);
   ``cp2hp`` (``-qla``): megatron-core's ``GatedDeltaNet`` (KDA: our mixer with ``strategy="cp2hp"``);
   ``mlm-chunkwise``: our mixer moving its hidden states to the contiguous layout and back (two
-  all-to-alls a pass), with fla's CP call as its core; ``kcp-noconvert``, ``kcp``: ours.
+  all-to-alls a pass), with fla's CP call as its core; ``kcp-noconvert``, ``kcp``, ``kcp-gather``: ours.
 * block: Megatron's ``TransformerBlock`` of the hybrid spec (layers 1-3 linear, layer 4 softmax
   attention); ``cp2hp`` (``-qla``) on ``cp2hp_*_hybrid_layer_spec``; ``mlm-chunkwise`` moves the hidden
   states around every linear layer (Megatron-LM dev's per-layer conversion) with fla's CP call as the
@@ -71,7 +73,9 @@ LEVELS = ("ops", "mixer", "block")
 # kcp-ownstart captured; kcp-convert, our op converting its inputs whatever the cost model says
 # (KCP_CONVERT=1: the pick it did not make, to check it); the peers perdoc.BY_NAME
 ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", "kcp-convert", *perdoc.BY_NAME)
-METHODS = (*perdoc.METHODS, *ONLY_OPS)
+# every level, by name: kcp-gather, the default with KCP_STRATEGY=gather (our all-gather step where the
+# default runs fla's CP call or another step)
+METHODS = (*perdoc.METHODS, *ONLY_OPS, "kcp-gather")
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
 # a right method's bf16 row sits near 1e-2 or below against the one-device bf16 run; a wrong exchange,
@@ -96,7 +100,8 @@ def method_env(method: str) -> dict:
     return {"FLA_FLASH_QLA": "1" if method in QLA else "0",
             "KCP_CONVERT": "0" if method == "kcp-noconvert" else "1" if method in ("mlm-chunkwise", "kcp-convert")
             else None,
-            "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None}
+            "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None,
+            "KCP_STRATEGY": "gather" if method == "kcp-gather" else None}
 
 
 def fla_cp_rule(model: str, device, smoke: bool):
@@ -315,6 +320,7 @@ def ops_level(c: Case, args):
                                        pick_note),
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-convert": lambda: run("kcp-convert", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-gather": lambda: run("kcp-gather", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
         "kcp-ownstart-graph": lambda: under(perdoc.peer("kcp-ownstart"), graphed, "kcp-ownstart-graph",
@@ -463,6 +469,7 @@ def module_level(c: Case, args, what: str, solo):
                                      "fla CP, hidden states converted per layer"),
         "kcp-noconvert": lambda: run("kcp-noconvert", b.W, cp_module()),
         "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
+        "kcp-gather": lambda: run("kcp-gather", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
     }
     for method in args.methods:
         if method in ("fla-cp", "kcp-unpipelined", *ONLY_OPS) or method in QLA and not (
