@@ -26,8 +26,12 @@ rank's own tokens.
   passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
   lengths on the host), where ``KCP_STRATEGY`` or ``KCP_CONVERT`` is set, or where a backend is named
   (its core's step, not the single-device call, is what was asked for).
-* fla's own CP call (``strategy="fla-cp"``, on the contiguous layout, fla's kernels): only where
-  asked for; :mod:`megatron_kcp.parallel.fla_cp` says where the measured rows favour it.
+* fla's own CP call (``strategy="fla-cp"``, on the contiguous layout, fla's kernels): where asked for,
+  and (``strategy="auto"``) for KDA on the contiguous layout (the op's own, or the one it converts to)
+  where no document is longer than a rank's share and a rank holds at most ``FLA_CP_MAX_LOCAL``
+  tokens: there our step is bound by its host launches and fla's call issues the same work in fewer
+  (:func:`fla_cp_pays`). Not where an initial state is passed, inside a CUDA graph capture, where
+  ``KCP_STRATEGY`` is set, or where a backend or ``max_segment`` is named.
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
   segments a rank), segments are split into parts that the all-gather chains
   (:func:`qla_max_segment`).
@@ -65,6 +69,9 @@ QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments
 QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (BENCHMARKS.md)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add exchange slots and fold steps where a step is host-bound
+# fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (BENCHMARKS.md):
+# faster where a rank holds 8k tokens (host-bound), mostly so at 16k, level or slower at 64k
+FLA_CP_MAX_LOCAL = 16384      # tokens a rank
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,8 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
 @functools.lru_cache(maxsize=256)
 def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, strategy, max_segment,
             forced, heads_free=False) -> Dispatch:
-    """``heads_free``: the call may move to head shards (no initial state, no graph capture)."""
+    """``heads_free``: the call may leave our step for the single-device call on head shards or fla's CP
+    call (no initial state, no graph capture)."""
     cuda, W = device.type == "cuda", plan.world_size
     if strategy == "fla-cp" and W > 1:
         if not cuda or backend not in ("auto", "fla") or max_segment:
@@ -137,7 +145,8 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         strategy = "auto"                # one rank: nothing to spread over heads
     if W > 1 and strategy in ("auto", "convert") and plan.layout != "contiguous":
         moved = dataclasses.replace(_decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads,
-                                            qk_heads, backend, "auto", max_segment, forced), layout="contiguous")
+                                            qk_heads, backend, "auto", max_segment, forced,
+                                            heads_free and strategy == "auto"), layout="contiguous")
         if strategy == "convert":
             return moved
         stay = _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, "stay", max_segment, forced)
@@ -158,6 +167,9 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         if not moves(core_saves=core_saving(stay.core, moved.core, local, value_heads, head_dims[1])):
             return stay
         return heads or moved
+    if strategy == "auto" and kda and cuda and W > 1 and backend == "auto" and max_segment is None and heads_free \
+            and forced[0] is None and fla_cp_pays(plan):
+        return Dispatch("fla", "fla-cp", 0)
     if strategy in ("convert", "stay"):
         strategy = "auto"                # nothing to convert, or the layout kept
     if backend == "auto" and max_segment is None and W == 1 and cuda:
@@ -193,6 +205,16 @@ def op_bytes_per_token(qk_heads: int, value_heads: int, head_dims: tuple[int, in
     K, V = head_dims
     e = torch.finfo(dtype).bits // 8
     return 2 * (qk_heads * 2 * K * e + value_heads * ((2 * V + 1) * e + (K if kda else 1) * 4))
+
+
+def fla_cp_pays(plan: KCPPlan) -> bool:
+    """Whether fla's CP call runs this KDA plan faster than our step: the contiguous layout, no document
+    longer than a rank's share (so at most one crosses each rank edge, as in the measured packs), at most
+    ``FLA_CP_MAX_LOCAL`` tokens a rank (where our step waits on its host)."""
+    cu, W = plan.global_cu_seqlens, plan.world_size
+    share = -(-cu[-1] // W)
+    return plan.layout == "contiguous" and not plan.max_segment and share <= FLA_CP_MAX_LOCAL and \
+        max(b - a for a, b in zip(cu, cu[1:])) <= share
 
 
 def qla_worth(plan: KCPPlan, value_heads: int) -> bool:

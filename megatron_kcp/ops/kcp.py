@@ -57,7 +57,8 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
         strategy: ``auto`` | ``relay`` | ``gather`` | ``cp2hp`` (megatron-core's all-to-all, the peer) |
             ``convert`` (the contiguous layout and back around the exchange; ``auto`` converts where the
             cost model says it pays, to head shards as cp2hp does where the heads divide the CP size
-            and no initial state is passed) | ``fla-cp`` (fla's own CP call, on a contiguous plan).
+            and no initial state is passed; for KDA on a contiguous plan where a rank's step is
+            host-bound, fla's own CP call) | ``fla-cp`` (fla's own CP call, on a contiguous plan).
         max_segment: split local segments into parts of at most this many tokens, chained by the
             all-gather; 0 never; None where flash-qla's scans would be latency-bound.
     Returns:

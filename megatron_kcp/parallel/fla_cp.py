@@ -5,9 +5,9 @@ That is the core of Megatron-LM dev's scheme, which converts a packed batch to t
 and hands it to fla. There, with documents, at most one document crosses each rank edge, and fla's
 pre-process exports its state before the rank's whole stream runs in one call: the work of our
 all-gather step, issued by fewer launches and less Python. Where a rank holds few tokens the step
-waits on its host: the measured KDA mixers, which differ only in this call, ran faster on fla's
-where a rank held 8k tokens, mostly so at 16k, and not at 64k (BENCHMARKS.md, Open). The default
-does not pick it: it runs where asked for (``strategy="fla-cp"``).
+waits on its host, and fla's call is the faster: the default picks it for KDA there
+(:func:`megatron_kcp.ops.dispatch.fla_cp_pays`, fitted on the KDA mixers' measured rows, which differ
+only in this call); it also runs where asked for (``strategy="fla-cp"``).
 
 fla's CP call takes no initial state, and is not run under CUDA graph capture (its rank metadata
 would have to be refreshed in device buffers before each replay).
