@@ -46,6 +46,10 @@ def test_the_default_picks_fla_cp_for_kda_where_a_ranks_step_is_host_bound():
     assert _decide(2, strategy="auto", forced=(None, "1")) == fla_cp           # KCP_CONVERT names the layout only
     # on Megatron's layout the op converts to the contiguous one, and runs fla's call there, where the
     # heads do not divide over the ranks (else it moves to head shards)
+    for cu in (cu_seqlens("varlen", 32768, pad=8), (0, 16384, 16388, 32768)):     # every rank decides alike
+        decided = {dispatch._decide(p, CUDA, torch.bfloat16, True, (128, 128), 32, 32, "auto", "auto", None,
+                                    (None, None), True) for p in all_plans(cu, "contiguous", 4)}
+        assert len(decided) == 1, decided
     moved = _decide(4, strategy="auto", layout="zigzag_per_doc", heads=6)
     assert (moved.strategy, moved.layout) == ("fla-cp", "contiguous"), moved
     assert _decide(4, strategy="auto", layout="zigzag_per_doc").strategy == "cp2hp"
