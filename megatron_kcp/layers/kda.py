@@ -120,7 +120,8 @@ class KCPKimiDeltaAttention(MegatronModule):
             raise ValueError(f"strategy={strategy!r}: use one of {dispatch.STRATEGY_NAMES}")
         if strategy == "fla-cp":
             raise ValueError("strategy='fla-cp' is the op's (fla's own CP call, on the contiguous layout), and the "
-                             "mixer's layout follows the cost model: use strategy='auto' (or call "
+                             "mixer's layout follows the cost model: use strategy='auto', which runs it after the "
+                             "conversion where a rank's step is host-bound (or call "
                              "kcp.gated_delta_rule with it on a contiguous plan)")
         if strategy == "cp2hp" and pg_collection.cp.size() > 1:
             check_cp2hp(self.H // tp, self.HV // tp, pg_collection.cp.size())
