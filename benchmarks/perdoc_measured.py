@@ -106,8 +106,9 @@ def method_env(method: str) -> dict:
 
 def fla_cp_rule(model: str, device, smoke: bool):
     """``gated_delta_rule(q, k, v, g, beta, plan, group, **kw)`` as fla's CP call on a contiguous plan (the
-    core of Megatron-LM dev's scheme), one ``build_cp_context`` per plan; on the CPU (``smoke``) our op
-    on that plan stands in."""
+    core of Megatron-LM dev's scheme), with the library's ``build_cp_context`` of the plan
+    (:func:`megatron_kcp.parallel.fla_cp.context`, built once per plan); on the CPU (``smoke``) our op on
+    that plan stands in."""
     from megatron_kcp.ops import kcp
     if smoke:
         ours = kcp.gated_delta_rule         # taken before the mixers' calls are patched to this rule
@@ -116,21 +117,14 @@ def fla_cp_rule(model: str, device, smoke: bool):
             assert plan.layout == "contiguous", plan.layout
             return ours(q, k, v, g, beta, plan, group, use_qk_l2norm=True, backend="reference")
         return rule
-    from fla.ops.cp import build_cp_context
-
     from benchmarks.ops import chunk_kernel
+    from megatron_kcp.parallel.fla_cp import context
     kernel = chunk_kernel(model, device)
-
-    @functools.lru_cache(maxsize=8)
-    def context(plan, group):
-        cu = plan.global_cu_seqlens
-        return build_cp_context(torch.tensor(cu, device=device), group=group, cu_seqlens_cpu=torch.tensor(cu),
-                                layout="contiguous")
 
     def rule(q, k, v, g, beta, plan, group=None, **kw):
         if plan.layout != "contiguous":
             raise ValueError(f"fla's CP call runs the contiguous layout, got {plan.layout}")
-        return kernel(q, k, v, g, beta, cp_context=context(plan, group))
+        return kernel(q, k, v, g, beta, cp_context=context(plan, group, torch.device(device)))
     return rule
 
 
