@@ -120,7 +120,8 @@ def test_the_pick_against_the_measured_kda_mixers():
     (the default's rows where it picked ``gather``, and ``kcp-gather``) on 2 and 4 GPUs
     (benchmarks/results/perdoc*_h*x*.csv, measured rows): wherever both were timed, the step the
     default picks is within 5% of the faster on the mean of its repeats. Never picking fla's call
-    misses that at 10 documents and 8k tokens a rank, on 4 x H100 and 4 x H200."""
+    misses that at 10 documents and 8k tokens a rank on 4 x H100; on 4 x H200 the two steps are
+    within each other's spread there."""
     import csv
     import re
     import statistics
@@ -152,4 +153,4 @@ def test_the_pick_against_the_measured_kda_mixers():
         {p[4] for p in picks} == {"fla-cp", "gather"}, picks
     assert all(loss <= 1.05 for *_, loss, _ in picks), [p for p in picks if p[5] > 1.05]
     never = [p for p in picks if p[6] > 1.05]
-    assert {(p[0], p[1], p[3]) for p in never} >= {("h100", 4, "varlen"), ("h200", 4, "varlen")}, never
+    assert ("h100", 4, "varlen") in {(p[0], p[1], p[3]) for p in never}, never
