@@ -124,9 +124,9 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
 
 @functools.lru_cache(maxsize=256)
 def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, strategy, max_segment,
-            forced, heads_free=False) -> Dispatch:
-    """``heads_free``: the call may leave our step for the single-device call on head shards or fla's CP
-    call (no initial state, no graph capture)."""
+            forced, peer_calls=False) -> Dispatch:
+    """``peer_calls``: the call may run a peer's call instead of our step, the single-device call on head
+    shards or fla's CP call (it passes no initial state and is not being captured)."""
     cuda, W = device.type == "cuda", plan.world_size
     if strategy == "fla-cp" and W > 1:
         if not cuda or backend not in ("auto", "fla") or max_segment:
@@ -146,7 +146,7 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
     if W > 1 and strategy in ("auto", "convert") and plan.layout != "contiguous":
         moved = dataclasses.replace(_decide(target_plan(plan, "contiguous"), device, dtype, kda, head_dims, value_heads,
                                             qk_heads, backend, "auto", max_segment, forced,
-                                            heads_free and strategy == "auto"), layout="contiguous")
+                                            peer_calls and strategy == "auto"), layout="contiguous")
         if strategy == "convert":
             return moved
         stay = _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, "stay", max_segment, forced)
@@ -154,7 +154,7 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         moves = functools.partial(convert_pays, cu, plan.layout, W, value_heads, head_dims[1],
                                   op_bytes_per_token(qk_heads, value_heads, head_dims, kda, dtype), 4)
         heads = None
-        if backend == "auto" and heads_free and forced == (None, None) and max_segment is None and \
+        if backend == "auto" and peer_calls and forced == (None, None) and max_segment is None and \
                 not (qk_heads % W or value_heads % W):
             heads = Dispatch("reference" if not cuda else "qla" if qla_runs(device, dtype, kda, head_dims) else "fla",
                              "cp2hp", 0)
@@ -167,7 +167,7 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         if not moves(core_saves=core_saving(stay.core, moved.core, local, value_heads, head_dims[1])):
             return stay
         return heads or moved
-    if strategy == "auto" and kda and cuda and W > 1 and backend == "auto" and max_segment is None and heads_free \
+    if strategy == "auto" and kda and cuda and W > 1 and backend == "auto" and max_segment is None and peer_calls \
             and forced[0] is None and fla_cp_pays(plan):
         return Dispatch("fla", "fla-cp", 0)
     if strategy in ("convert", "stay"):

@@ -15,11 +15,11 @@ CUDA = torch.device("cuda")          # only decided on: nothing runs
 
 
 def _decide(W, device=CUDA, backend="auto", max_segment=None, strategy="fla-cp", docs="varlen100", T=32768,
-            layout="contiguous", kda=True, forced=(None, None), free=True, heads=32):
+            layout="contiguous", kda=True, forced=(None, None), peer_calls=True, heads=32):
     plan = all_plans(cu_seqlens(docs, T, pad=2 * W), layout, W)[0]
     dispatch._decide.cache_clear()
     return dispatch._decide(plan, device, torch.bfloat16, kda, (128, 128), heads, heads, backend, strategy,
-                            max_segment, forced, free)
+                            max_segment, forced, peer_calls)
 
 
 def test_fla_cp_runs_fla_kernels_whole():
@@ -40,7 +40,7 @@ def test_the_default_picks_fla_cp_for_kda_where_a_ranks_step_is_host_bound():
     assert _decide(2, strategy="auto", T=131072).strategy == "gather"                # 64k tokens a rank
     assert _decide(2, strategy="auto", docs="single").strategy != "fla-cp"          # one sequence over both
     assert _decide(2, strategy="auto", kda=False).strategy != "fla-cp"              # GDN: our step, or flash-qla's
-    for named in [dict(backend="fla"), dict(max_segment=0), dict(forced=("gather", None)), dict(free=False),
+    for named in [dict(backend="fla"), dict(max_segment=0), dict(forced=("gather", None)), dict(peer_calls=False),
                   dict(device=torch.device("cpu"))]:
         assert _decide(2, strategy="auto", **named).strategy != "fla-cp", named
     assert _decide(2, strategy="auto", forced=(None, "1")) == fla_cp           # KCP_CONVERT names the layout only
