@@ -70,7 +70,7 @@ QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for it
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add exchange slots and fold steps where a step is host-bound
 # fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (BENCHMARKS.md):
-# faster where a rank holds 8k tokens (our step host-bound), level or faster at 16k, level or slower at 64k
+# faster or level where a rank holds 8k tokens (our step host-bound), level at 16k, level or slower at 64k
 FLA_CP_MAX_LOCAL = 16384      # tokens a rank
 
 
