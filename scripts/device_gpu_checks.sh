@@ -11,7 +11,9 @@
 # optionally flash-qla 0.1.3 (e.g. `pip install -e ".[qla]" tilelang` in this checkout); setting
 # them up is the user's, the script installs nothing.
 # Correctness runs use the tests' cheap autotuning (megatron_kcp/testing/fast_autotune.py); the
-# suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores.
+# suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores:
+# KCP_CHECK_JOBS at a time (default three a GPU; more run one GPU out of memory), longest first.
+# KCP_CHECK_SUITES (names, e.g. "ops_w2 graph") runs a part; KCP_TEST_TIMEOUT (s, default 400) limits each.
 # Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
 # kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
 set -uo pipefail
@@ -24,30 +26,39 @@ source scripts/device_cache.sh
   python -c 'import tilelang; print("tilelang", tilelang.__version__)' 2>&1 | tail -1
 } | tee "$OUT/versions.txt"
 limit="${KCP_TEST_TIMEOUT:-400}"
+gpus=$(nvidia-smi -L | wc -l)
+jobs_max="${KCP_CHECK_JOBS:-$((3 * gpus))}"   # suites at a time: more than three a GPU run it out of memory
 suite() {   # name, pytest args...
   local name=$1; shift
   local t0=$SECONDS
   timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
 }
-suite ops_w1 tests/ops/test_kcp_cuda.py -k "fla_matches or scattered" &
-suite ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]" &
-suite ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]" &
-suite ops_poison tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]" &
-(export KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn   # flash-qla's core, where it runs (Hopper+, bf16)
- suite ops_poison_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]") &
-suite layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False" &
-suite layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True" &
-suite layout_mixers tests/layers/test_layout.py -k "equals_cp1_on_gpu and mixer" &
-suite layout_block_gdn tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-gdn" &
-suite layout_block_kda tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-kda" &
-suite graph tests/ops/test_kcp_cuda.py -k replays &
-[ -z "${KCP_SKIP_MEMORY:-}" ] && (   # peak memory is per process: sharing the GPU does not change it
-  t0=$SECONDS
+memory() {   # peak memory is per process: sharing the GPU does not change it
+  local t0=$SECONDS
   timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
     --layouts contiguous zigzag --warmup 1 > "$OUT/memory.txt" 2>&1
   echo "memory: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
-) &
+}
+pool() {   # name, then suite's pytest args (or nothing: the memory report): started once a slot is free
+  [[ -z "${KCP_CHECK_SUITES:-}" || " $KCP_CHECK_SUITES " == *" $1 "* ]] || return 0
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  if [ "$1" = memory ]; then memory & else suite "$@" & fi
+}
+# longest first
+pool ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]"
+pool ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]"
+pool layout_mixers tests/layers/test_layout.py -k "equals_cp1_on_gpu and mixer"
+pool layout_block_gdn tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-gdn"
+pool layout_block_kda tests/layers/test_layout.py -k "equals_cp1_on_gpu and block-kda"
+pool ops_poison tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]"
+KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
+  pool ops_poison_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]"   # flash-qla's core (Hopper+, bf16)
+pool layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True"
+pool layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False"
+pool graph tests/ops/test_kcp_cuda.py -k replays
+pool ops_w1 tests/ops/test_kcp_cuda.py -k "fla_matches or scattered"
+[ -z "${KCP_SKIP_MEMORY:-}" ] && pool memory
 wait
 save_cache
 # logs and per-case errors travel as one archive
