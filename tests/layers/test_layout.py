@@ -72,7 +72,7 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU):
     prints the gates' gradients (``dt_bias``, ``A_log``) against one GPU's: GDN's carry the TF32
     rounding of fla's backward on Hopper, as large as their cancelling sum, so 1.5x one GPU's error
     bounds them loosely there; the op-level CP suite bounds their per-token source, ``dg``
-    (BENCHMARKS.md, the GPU CP suite)."""
+    (BENCHMARKS.md, Correctness on the GPU)."""
     import dataclasses
 
     import torch.distributed as dist
