@@ -386,7 +386,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                 weak = {n: off[n] for n in controlled if not off[n] >= 10 * allowed(n)}
                 assert not weak, f"{tag}: without the exchange these still match: {weak}"
     if r == 0 and out_dir:
-        with open(os.path.join(out_dir, f"cp_gpu_W{W}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"cp_gpu_W{W}_{'-'.join(models)}.txt"), "w") as f:   # one per process
             f.write("\n".join(lines) + "\n")
 
 
