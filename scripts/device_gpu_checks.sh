@@ -17,6 +17,21 @@
 # Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
 # kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
 set -uo pipefail
+SUITES="ops_w2 ops_w4 layout_mixers layout_block_gdn layout_block_kda ops_poison ops_poison_qla layers_w4 layers_w2
+  graph ops_w1 memory"
+for s in ${KCP_CHECK_SUITES:-}; do
+  [[ " ${SUITES//$'\n'/ } " == *" $s "* ]] || {
+    echo "KCP_CHECK_SUITES has $s: name suites from: $(echo $SUITES), separated by spaces" >&2; exit 2; }
+done
+if [[ ! "${KCP_CHECK_JOBS:-1}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "KCP_CHECK_JOBS=$KCP_CHECK_JOBS: give a number of suites at a time, e.g. 3" >&2
+  exit 2
+fi
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$gpus" -eq 0 ]; then
+  echo "device_gpu_checks.sh runs the GPU suites and found no GPU (nvidia-smi -L): on a CPU run scripts/test.sh --all" >&2
+  exit 2
+fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
 export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
 source scripts/device_cache.sh
@@ -26,7 +41,6 @@ source scripts/device_cache.sh
   python -c 'import tilelang; print("tilelang", tilelang.__version__)' 2>&1 | tail -1
 } | tee "$OUT/versions.txt"
 limit="${KCP_TEST_TIMEOUT:-400}"
-gpus=$(nvidia-smi -L | wc -l)
 jobs_max="${KCP_CHECK_JOBS:-$((3 * gpus))}"   # suites at a time: more than three a GPU run it out of memory
 suite() {   # name, pytest args...
   local name=$1; shift

@@ -186,3 +186,32 @@ def test_run_sh_passes_steps_to_the_cpu_demo(tmp_path):
     log.unlink()
     subprocess.run(["bash", "scripts/run.sh"], cwd=checkout, env=env, check=True, timeout=60)
     assert log.read_text().splitlines()[0] == "-m megatron_kcp.demo --model gdn --steps 5"
+
+
+GPU_CHECKS = ROOT / "scripts" / "device_gpu_checks.sh"
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"KCP_CHECK_SUITES": "ops_w2 ops_w3"}, "KCP_CHECK_SUITES has ops_w3: name suites from: ops_w2 ops_w4"),
+    ({"KCP_CHECK_JOBS": "three"}, "KCP_CHECK_JOBS=three: give a number of suites at a time"),
+    ({}, "found no GPU (nvidia-smi -L): on a CPU run scripts/test.sh --all"),
+])
+def test_gpu_checks_refuse_bad_input_before_anything_runs(env, match, tmp_path):
+    """A stand-in nvidia-smi that lists no GPU: every mistake stops in one line (exit 2), nothing written."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    run_env = {**os.environ, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(GPU_CHECKS)], cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and match in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_checks_name_every_suite_they_run():
+    """KCP_CHECK_SUITES is checked against the script's list: the list and the suites it starts agree."""
+    text = GPU_CHECKS.read_text()
+    listed = set(text.split('SUITES="', 1)[1].split('"', 1)[0].split())
+    started = {line.split()[1] for line in text.splitlines() if line.lstrip().startswith("pool ")}
+    started |= {line.split()[-1] for line in text.splitlines() if "&& pool " in line}
+    assert listed == started, (listed, started)
