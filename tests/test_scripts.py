@@ -202,7 +202,8 @@ def test_gpu_checks_refuse_bad_input_before_anything_runs(env, match, tmp_path):
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    run_env = {**os.environ, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_CHECK_")}
+    run_env.update(env, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
     done = subprocess.run(["bash", str(GPU_CHECKS)], cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and match in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
