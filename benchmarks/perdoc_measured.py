@@ -23,10 +23,12 @@ H100), against fla's CP call (contiguous, gathered), and ``note`` says so.
   ``kcp-noconvert``, ``kcp-unpipelined``, ``kcp``: ours (``KCP_CONVERT=0``; ``KCP_RELAY_GROUPS=1``; the
   default, its pick in ``note``); ``kcp-gather`` (by name, every level): the default with
   ``KCP_STRATEGY=gather``, our all-gather step where the default picks another (fla's CP call for KDA
-  on the contiguous layout); ``kcp-convert`` (by name): ours converting the op's inputs
-  (``KCP_CONVERT=1``), to time the pick the cost model did not make; ``kcp-graph`` (by name): the
-  default's step with its exchange captured once in a CUDA graph and replayed (the plan's documents
-  fixed, as capture needs);
+  on the contiguous layout); ``kcp-contiguous`` (by name, every level): the default fed the same
+  documents in the contiguous layout, no conversion (the peer of "per-document zigzag within 1.1x of
+  contiguous"; the block still moves its run's output back for the softmax layer); ``kcp-convert`` (by
+  name): ours converting the op's inputs (``KCP_CONVERT=1``), to time the pick the cost model did not
+  make; ``kcp-graph`` (by name): the default's step with its exchange captured once in a CUDA graph
+  and replayed (the plan's documents fixed, as capture needs);
   ``kcp-foldloop`` and ``kcp-ownstart`` (by name): the default with one part changed, as in perdoc.py
   (``perdoc.peer``); ``kcp-ownstart-graph``: the second captured, the peer of ``kcp-graph``.
 * mixer: ``KCPGatedDeltaNet`` / ``KCPKimiDeltaAttention`` on this rank's rows of the hidden states.
@@ -75,7 +77,10 @@ LEVELS = ("ops", "mixer", "block")
 ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", "kcp-convert", *perdoc.BY_NAME)
 # every level, by name: kcp-gather, the default with KCP_STRATEGY=gather (our all-gather step where the
 # default runs fla's CP call or another step)
-METHODS = (*perdoc.METHODS, *ONLY_OPS, "kcp-gather")
+# every level, by name: kcp-contiguous, the default fed the same documents in the contiguous layout
+# (no conversion in; the block still converts out for its attention layer): the peer of issue #27's
+# "within 1.1x of contiguous"
+METHODS = (*perdoc.METHODS, *ONLY_OPS, "kcp-gather", "kcp-contiguous")
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
 # a right method's bf16 row sits near 1e-2 or below against the one-device bf16 run; a wrong exchange,
@@ -98,8 +103,8 @@ def env(**values):
 def method_env(method: str) -> dict:
     """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, and our overrides."""
     return {"FLA_FLASH_QLA": "1" if method in QLA else "0",
-            "KCP_CONVERT": "0" if method == "kcp-noconvert" else "1" if method in ("mlm-chunkwise", "kcp-convert")
-            else None,
+            "KCP_CONVERT": {"kcp-noconvert": "0", "mlm-chunkwise": "1", "kcp-convert": "1",
+                            "kcp-contiguous": "1"}.get(method),
             "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None,
             "KCP_STRATEGY": "gather" if method == "kcp-gather" else None}
 
@@ -315,6 +320,8 @@ def ops_level(c: Case, args):
         "kcp": lambda: run("kcp", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-convert": lambda: run("kcp-convert", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-gather": lambda: run("kcp-gather", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
+        "kcp-contiguous": lambda: run("kcp-contiguous", functools.partial(ours, c.plans["contiguous"]), "contiguous",
+                                      b.W, lambda p: f"{pick_note(p)}; fed the contiguous layout"),
         "kcp-graph": lambda: graphed("kcp-graph", functools.partial(ours, zpd), "zigzag_per_doc",
                                      lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
         "kcp-ownstart-graph": lambda: under(perdoc.peer("kcp-ownstart"), graphed, "kcp-ownstart-graph",
@@ -418,14 +425,17 @@ def module_level(c: Case, args, what: str, solo):
     weights = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ref_mod.state_dict().items()}
     ref = None
 
-    def run(method, width, make, patches=(), note=""):
+    def run(method, width, make, patches=(), note="", fed="zigzag_per_doc"):
+        """``fed``: the layout of the rows handed in (the output's: Megatron's, or for a mixer fed
+        contiguous, contiguous)."""
         nonlocal ref
         mod = ref_mod if width == 1 else make()
         mod.load_state_dict(weights)
         note = note(mod) if callable(note) else note
-        idx = None if width == 1 else c.index["zigzag_per_doc"]
+        idx = None if width == 1 else c.index[fed]
+        out_idx = None if width == 1 else c.index[fed if what == "mixer" else "zigzag_per_doc"]
         leaf = (x if idx is None else x[idx]).clone().requires_grad_()
-        dyl = dy if idx is None else dy[idx]
+        dyl = dy if out_idx is None else dy[out_idx]
 
         def step():
             with contextlib.ExitStack() as stack:
@@ -439,10 +449,10 @@ def module_level(c: Case, args, what: str, solo):
             first = step()
         if ref is None:
             ref = first
-        want = ref if idx is None else [r[idx] for r in ref]
+        want = ref if idx is None else [ref[0][out_idx], ref[1][idx]]        # (y, dx)
         if width > 1 and not method.startswith("cp2hp"):     # cp2hp moves q, k, v, g and beta instead
             note = f"{note}{'; ' if note else ''}{len(moves)} hidden-state all-to-alls a forward"
-        c.timed(what, method, width, step, first, want, note)
+        c.timed(what, method, width, step, first, want, note, fed if fed != "zigzag_per_doc" else None)
 
     def cp_module(**kw):
         return lambda: perdoc.module(s, what, b.dtype, b.device, b.W, **kw)
@@ -464,6 +474,8 @@ def module_level(c: Case, args, what: str, solo):
         "kcp-noconvert": lambda: run("kcp-noconvert", b.W, cp_module()),
         "kcp": lambda: run("kcp", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
         "kcp-gather": lambda: run("kcp-gather", b.W, cp_module(), note=lambda mod: kcp_note(c, mod, what)),
+        "kcp-contiguous": lambda: run("kcp-contiguous", b.W, cp_module(), [fed_contiguous(what)],
+                                      lambda mod: f"{kcp_note(c, mod, what)}; {FED[what]}", "contiguous"),
     }
     for method in args.methods:
         if method in ("fla-cp", "kcp-unpipelined", *ONLY_OPS) or method in QLA and not (
@@ -474,6 +486,34 @@ def module_level(c: Case, args, what: str, solo):
                    "kernels only")
         else:
             run_method(c, what, method, methods[method])
+
+
+FED = {"mixer": "fed the contiguous layout: no conversion",
+       "block": "fed the contiguous layout: the run's move in skipped, its move out (for the attention) kept"}
+
+
+class fed_contiguous:  # noqa: N801 - used as a patch, like mock.patch
+    """The hidden states arrive in the contiguous layout: the mixer's moves, or the block's move into
+    its run of linear layers, are the identity (the block's run still moves its output to Megatron's
+    layout, which the softmax layer needs). Entered once a step; the move in place at entry is kept for
+    the others, so a counting patch outside still counts the all-to-alls that run."""
+
+    def __init__(self, what: str):
+        self.what, self.patch = what, None
+
+    def __enter__(self):
+        from megatron_kcp.layers import layout
+        inner = layout.move
+
+        def move(hidden, cu, source, target, *rest):
+            if self.what == "mixer" or source == layout.SOURCE:
+                return hidden
+            return inner(hidden, cu, source, target, *rest)
+        self.patch = mock.patch.object(layout, "move", move)
+        return self.patch.__enter__()
+
+    def __exit__(self, *exc):
+        return self.patch.__exit__(*exc)
 
 
 def _built_with(patches, make):

@@ -314,6 +314,22 @@ def test_perdoc_measured_times_the_conversion_by_name(tmp_path):
     assert "contiguous layout" not in note["kcp"] and "in the contiguous layout" in note["kcp-convert"], note
 
 
+def test_perdoc_measured_feeds_the_contiguous_layout_by_name(tmp_path):
+    """--methods kcp-contiguous: the default fed the same documents contiguous, right at every level (its
+    err against the one-device rows of that layout), with no all-to-all in (the block's one out remains)."""
+    path = tmp_path / "measured.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--shapes", "qwen3-next",
+                          "--docs", "varlen", "--methods", "kcp", "kcp-contiguous", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {(r["level"], r["method"]): r for r in csv.DictReader(path.open())}
+    for level in ("ops", "mixer", "block"):
+        row = rows[level, "kcp-contiguous"]
+        assert row["layout"] == "contiguous" and float(row["err"]) < 1e-5, row
+    assert rows["mixer", "kcp-contiguous"]["note"].endswith("0 hidden-state all-to-alls a forward")
+    assert rows["block", "kcp-contiguous"]["note"].endswith("1 hidden-state all-to-alls a forward")
+
+
 def test_perdoc_measured_profiles_every_rank():
     """--profile: each rank prints its profile of the named method's step, in rank order."""
     run = subprocess.run([sys.executable, str(BENCH / "perdoc_measured.py"), "--smoke", "--shapes", "qwen3-next",
