@@ -76,10 +76,9 @@ LEVELS = ("ops", "mixer", "block")
 # (KCP_CONVERT=1: the pick it did not make, to check it); the peers perdoc.BY_NAME
 ONLY_OPS = ("kcp-graph", "kcp-ownstart-graph", "kcp-convert", *perdoc.BY_NAME)
 # every level, by name: kcp-gather, the default with KCP_STRATEGY=gather (our all-gather step where the
-# default runs fla's CP call or another step)
-# every level, by name: kcp-contiguous, the default fed the same documents in the contiguous layout
-# (no conversion in; the block still converts out for its attention layer): the peer of issue #27's
-# "within 1.1x of contiguous"
+# default runs fla's CP call or another step); kcp-contiguous, the default fed the same documents in the
+# contiguous layout (no conversion in; the block still converts out for its attention layer), the peer
+# of issue #27's "within 1.1x of contiguous"
 METHODS = (*perdoc.METHODS, *ONLY_OPS, "kcp-gather", "kcp-contiguous")
 QLA = ("noCP-qla", "cp2hp-qla")
 NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "block": ("y", "dx")}
