@@ -13,12 +13,14 @@
 # Correctness runs use the tests' cheap autotuning (megatron_kcp/testing/fast_autotune.py); the
 # suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores:
 # KCP_CHECK_JOBS at a time (default three a GPU; more run one GPU out of memory), longest first.
-# KCP_CHECK_SUITES (names, e.g. "ops_w2 graph") runs a part; KCP_TEST_TIMEOUT (s, default 400) limits each.
+# KCP_CHECK_SUITES (names, e.g. "ops_w2 graph") runs a part; KCP_TEST_TIMEOUT (s, default 900) limits each.
+# Every GPU test is in a suite; the 2-GPU ones (train_*, nccl) skip on one GPU.
 # Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
 # kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
 set -uo pipefail
-SUITES="ops_w2 ops_w4 layout_mixers layout_block_gdn layout_block_kda ops_poison ops_poison_qla layers_w4 layers_w2
-  graph ops_w1 memory"
+SUITES="layout_w4_block_gdn layout_w4_block_kda layout_w4_mixers train_gdn train_kda ops_w2 ops_w4 layout_mixers
+  layout_block_gdn layout_block_kda ops_pieces ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla layers_w4
+  layers_w2 layers_slow nccl graph ops_w1 memory"
 for s in ${KCP_CHECK_SUITES:-}; do
   [[ " ${SUITES//$'\n'/ } " == *" $s "* ]] || {
     echo "KCP_CHECK_SUITES has $s: name suites from: $(echo $SUITES), separated by spaces" >&2; exit 2; }
@@ -40,7 +42,7 @@ source scripts/device_cache.sh
   python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
   python -c 'import tilelang; print("tilelang", tilelang.__version__)' 2>&1 | tail -1
 } | tee "$OUT/versions.txt"
-limit="${KCP_TEST_TIMEOUT:-400}"
+limit="${KCP_TEST_TIMEOUT:-900}"
 jobs_max="${KCP_CHECK_JOBS:-$((3 * gpus))}"   # suites at a time: more than three a GPU run it out of memory
 suite() {   # name, pytest args...
   local name=$1; shift
@@ -59,7 +61,12 @@ pool() {   # name, then suite's pytest args (or nothing: the memory report): sta
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
   if [ "$1" = memory ]; then memory & else suite "$@" & fi
 }
-# longest first
+# longest first (minutes on an H200 beside other suites: the W = 4 blocks 7, the training steps 5-6 a preset)
+pool layout_w4_block_gdn tests/layers/test_layout.py -k "at_4_ranks_on_gpu and block-gdn"
+pool layout_w4_block_kda tests/layers/test_layout.py -k "at_4_ranks_on_gpu and block-kda"
+pool layout_w4_mixers tests/layers/test_layout.py -k "at_4_ranks_on_gpu and mixer"
+pool train_gdn tests/test_train_cuda.py -k gdn     # 2 GPUs (skips on one): the training step over NCCL
+pool train_kda tests/test_train_cuda.py -k kda
 pool ops_w2 tests/ops/test_kcp_cuda.py -k "single_gpu and 2]"
 pool ops_w4 tests/ops/test_kcp_cuda.py -k "single_gpu and 4]"
 pool layout_mixers tests/layers/test_layout.py -k "equals_cp1_on_gpu and mixer"
@@ -68,10 +75,16 @@ pool layout_block_kda tests/layers/test_layout.py -k "equals_cp1_on_gpu and bloc
 pool ops_poison tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]"
 KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
   pool ops_poison_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 2]"   # flash-qla's core (Hopper+, bf16)
+pool ops_poison_w4 tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
+KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
+  pool ops_poison_w4_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
+pool ops_pieces tests/ops/test_kcp_cuda.py -k "qla_matches or single_device_call or conv_ or split_segments or head_groups"
 pool layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True"
-pool layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False"
+pool layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False or 2-2-True"
+pool layers_slow tests/layers/test_attention.py tests/layers/test_layers_cuda.py -k "varlen or long_pieces"
+pool nccl tests/ops/test_kcp_cuda.py -k "no_host_sync or over_nccl"     # 2 GPUs (skips on one)
 pool graph tests/ops/test_kcp_cuda.py -k replays
-pool ops_w1 tests/ops/test_kcp_cuda.py -k "fla_matches or scattered"
+pool ops_w1 tests/ops/test_kcp_cuda.py tests/parallel/test_gather.py -k "fla_matches or scattered or fold_on_the_gpu"
 [ -z "${KCP_SKIP_MEMORY:-}" ] && pool memory
 wait
 save_cache

@@ -192,7 +192,8 @@ GPU_CHECKS = ROOT / "scripts" / "device_gpu_checks.sh"
 
 
 @pytest.mark.parametrize("env,match", [
-    ({"KCP_CHECK_SUITES": "ops_w2 ops_w3"}, "KCP_CHECK_SUITES has ops_w3: name suites from: ops_w2 ops_w4"),
+    ({"KCP_CHECK_SUITES": "ops_w2 ops_w3"},
+     "KCP_CHECK_SUITES has ops_w3: name suites from: layout_w4_block_gdn layout_w4_block_kda"),
     ({"KCP_CHECK_JOBS": "three"}, "KCP_CHECK_JOBS=three: give a number of suites at a time"),
     ({}, "found no GPU (nvidia-smi -L): on a CPU run scripts/test.sh --all"),
 ])
@@ -207,6 +208,22 @@ def test_gpu_checks_refuse_bad_input_before_anything_runs(env, match, tmp_path):
     done = subprocess.run(["bash", str(GPU_CHECKS)], cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and match in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gpu_checks_run_every_gpu_test():
+    """Every test marked gpu is in one of the script's suites (collected with each suite's arguments): a GPU
+    test outside them would only run when someone remembers it."""
+    import re
+
+    def collected(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+        return {line for line in out.splitlines() if "::" in line}
+    suites = [re.match(r"\s*pool \S+ ([^#]*)", line) for line in GPU_CHECKS.read_text().splitlines()]
+    covered = set().union(*(collected(*shlex.split(m.group(1))) for m in suites if m))
+    every = collected("-m", "gpu", "tests")
+    assert every and not every - covered, sorted(every - covered)
 
 
 def test_gpu_checks_name_every_suite_they_run():
