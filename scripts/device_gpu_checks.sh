@@ -61,7 +61,7 @@ pool() {   # name, then suite's pytest args (or nothing: the memory report): sta
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
   if [ "$1" = memory ]; then memory & else suite "$@" & fi
 }
-# longest first (minutes on an H200 beside other suites: the W = 4 blocks 7, the training steps 5-6 a preset)
+# longest first: the W = 4 layout tests, then the training steps
 pool layout_w4_block_gdn tests/layers/test_layout.py -k "at_4_ranks_on_gpu and block-gdn"
 pool layout_w4_block_kda tests/layers/test_layout.py -k "at_4_ranks_on_gpu and block-kda"
 pool layout_w4_mixers tests/layers/test_layout.py -k "at_4_ranks_on_gpu and mixer"
