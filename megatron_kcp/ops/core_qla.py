@@ -98,7 +98,8 @@ class GDNQLACore:
         qr = kr = None
         # k's norm and the triangular solve (which reads no gate) go first: the solve is the step's first
         # long kernel, and while it runs the host issues q's norm and the gate's cumsum, which the GPU
-        # would otherwise wait for (benchmarks/results/gaps_h100x1.txt)
+        # would otherwise wait for on a slow host (one H100: benchmarks/results/gaps_h100x1.txt; level
+        # on an H200 pair's host, benchmarks/results/prepare_order_h200x2.csv)
         if use_qk_l2norm:
             k, kr = K.l2norm_fwd(k)
         A = K.kkt_solve(k=k, b=beta, chunk_size=64, cu_seqlens=cu)
