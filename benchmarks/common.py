@@ -21,8 +21,8 @@ def _weights(n: int) -> list[float]:
 
 def cu_seqlens(docs: str, T: int, pad: int = 1) -> tuple[int, ...]:
     """``single``: one sequence; ``varlen``: the 10 documents of VARLEN_32K scaled to T; ``varlen100``,
-    ``varlen300``: 100 or 300 log-normal lengths (100: 0.1% to 5% of the stream). Every document is a multiple of ``pad`` tokens, as
-    Megatron pads THD documents to 2 x CP for the per-document layout."""
+    ``varlen300``: 100 or 300 log-normal lengths (100: 0.1% to 5% of the stream). Every document is a
+    multiple of ``pad`` tokens, as Megatron pads THD documents to 2 x CP for the per-document layout."""
     if docs == "single":
         return (0, T)
     if T % pad:

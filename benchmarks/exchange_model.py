@@ -140,7 +140,8 @@ def measured_rows(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
         with open(path, newline="") as f:
-            rows += [r for r in csv.DictReader(f) if r["level"] == "ops" and r["method"] in ("kcp-gather", "fla-cp", "cp2hp")
+            rows += [r for r in csv.DictReader(f)
+                     if r["level"] == "ops" and r["method"] in ("kcp-gather", "fla-cp", "cp2hp")
                      and r["layout"] in ("contiguous", "zigzag")
                      and math.isfinite(_f(r.get("exchange_ms")))]
     return rows

@@ -67,6 +67,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
             if state is None:
                 state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mod.state_dict().items()}
             mod.load_state_dict(state)
+
             def local(t, cp=cp):
                 return rows_of(t, cp, rank)
             leaf, dyl = local(x).clone().requires_grad_(), local(dy).contiguous()

@@ -147,7 +147,8 @@ def build_command(a) -> list[str]:
     preset = load_preset(a.preset)
     world = a.nnodes * a.nproc_per_node
     dp = check_sizes(preset, world, a.tp, a.cp, a.pp, a.sequence_parallel)
-    trainer = [str(Path(a.megatron_lm).expanduser() / "pretrain_gpt.py")] if a.megatron_lm else ["-m", "megatron_kcp.train"]
+    trainer = ([str(Path(a.megatron_lm).expanduser() / "pretrain_gpt.py")] if a.megatron_lm
+               else ["-m", "megatron_kcp.train"])
     run = ["torchrun", f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}"]
     if a.nnodes == 1:
         run.append(f"--master-port={a.master_port}")

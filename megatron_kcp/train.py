@@ -32,7 +32,8 @@ def add_kcp_args(parser):
     g = parser.add_argument_group("megatron_kcp")
     g.add_argument("--kda-gate-rank", type=int, default=None,
                    help="KDA: rank of the low-rank forget/output gate projections (default: value head dim)")
-    g.add_argument("--kda-norm-eps", type=float, default=None, help="KDA: epsilon of the gated output RMSNorm (default 1e-5)")
+    g.add_argument("--kda-norm-eps", type=float, default=None,
+                   help="KDA: epsilon of the gated output RMSNorm (default 1e-5)")
     g.add_argument("--kcp-log", default=None, help="also write the per-step progress as JSON lines to this file")
     return parser
 

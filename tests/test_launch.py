@@ -76,10 +76,12 @@ def test_sequence_length_must_split_zigzag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,match", [
-    (None, r"preset .*nope\.json: no such file; give the path of a JSON preset, e\.g\. one of configs/\{.*tiny-gdn\.json"),
+    (None, r"preset .*nope\.json: no such file; give the path of a JSON preset, "
+           r"e\.g\. one of configs/\{.*tiny-gdn\.json"),
     ('{"num_layers": 4,', r"preset .*bad\.json: not valid JSON \(.* at line 1, column \d+\): fix the file"),
     ('[4, 256]', r"preset .*bad\.json: must be a JSON object"),
-    ('{"num_layers": 4, "hidden_size": 256}', r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
+    ('{"num_layers": 4, "hidden_size": 256}',
+     r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
     ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]; the allowed keys are num_layers, "
                          r"hidden_size, .*, vocab_size, spec, _doc$"),
 ])

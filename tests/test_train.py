@@ -54,7 +54,8 @@ def test_one_token_spec_is_the_default_hybrid():
      "^--spec megatron_kcp.spec kda_hybrid_layer_spec:kda_gate_rank=-2: kda_gate_rank=-2: must be a positive int"),
     (["--spec", "megatron_kcp.spec", "gdn_hybrid_layer_spec:kda_gate_rank=32"], "takes no options"),
     (["--linear-key-head-dim", "512"], "--linear-key-head-dim 512 exceeds the kernels' limit of 256"),
-    (["--spec", "megatron_kcp", "kda_hybrid_layer_spec", "--kda-norm-eps", "0"], "--kda-norm-eps 0.0 must be a positive"),
+    (["--spec", "megatron_kcp", "kda_hybrid_layer_spec", "--kda-norm-eps", "0"],
+     "--kda-norm-eps 0.0 must be a positive"),
 ])
 def test_bad_options_fail_at_startup_naming_the_fix(change, match):
     with pytest.raises(ValueError, match=match):
@@ -188,7 +189,8 @@ def _progress_line(log):
     progress = train.Progress(lambda *a, **k: calls.append(a[3]) or "flag", argparse.Namespace(
         global_batch_size=2, seq_length=4096, kcp_log=log))
     for it in (1, 2):
-        assert progress({"lm loss": torch.tensor(2.5 / it)}, {}, 1e-4, it, 1.0, True, 0, 1.0, None, None, None) == "flag"
+        flag = progress({"lm loss": torch.tensor(2.5 / it)}, {}, 1e-4, it, 1.0, True, 0, 1.0, None, None, None)
+        assert flag == "flag"
     assert calls == [1, 2]          # Megatron's own log ran first, every step
 
 

@@ -1,5 +1,6 @@
 """The collectives KCP issues: all-gather, reduce-scatter, point-to-point sends, the all-to-all (even
-blocks, and uneven ones for the layout conversion) and the sequence all-gather (both with their adjoints as autograd Functions).
+blocks, and uneven ones for the layout conversion) and the sequence all-gather (both with their adjoints
+as autograd Functions).
 
 gloo cannot move CUDA tensors point to point (and the tests run gloo with ranks sharing a GPU),
 so on gloo CUDA tensors travel through host memory; NCCL takes them as they are.

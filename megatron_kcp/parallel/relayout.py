@@ -127,5 +127,5 @@ def check_tp_cp_group(group, cp_rank: int, tp_rank: int, tp: int) -> None:
     if dist.get_rank(group) != cp_rank * tp + tp_rank:
         raise RuntimeError(f"the tensor-and-context-parallel group puts CP rank {cp_rank}, TP rank {tp_rank} at "
                            f"{dist.get_rank(group)}, not {cp_rank * tp + tp_rank}: the layout conversion needs "
-                           "megatron-core's TP-fastest order: build the groups with parallel_state.initialize_model_parallel "
-                           "and its default order 'tp-cp-ep-dp-pp'")
+                           "megatron-core's TP-fastest order: build the groups with "
+                           "parallel_state.initialize_model_parallel and its default order 'tp-cp-ep-dp-pp'")
