@@ -40,17 +40,20 @@ class CommLog:
             if dist.get_world_size(group) > 1:
                 # the replay needs the data's shape, not the data: keep a copy of what a send sends
                 saved = tuple(a.clone() if name == "isend" and isinstance(a, torch.Tensor) else a for a in args)
-                self.calls.append((name, fn, saved, kw, dist.get_world_size(group)))
+                self.calls.append((name, fn, saved, kw, dist.get_world_size(group), dist.get_rank(group)))
             return fn(*args, **kw)
         return call
 
     @property
     def received_bytes(self) -> int:
         total = 0
-        for name, _, args, kw, W in self.calls:
+        for name, _, args, kw, W, rank in self.calls:
             t = [a for a in list(args) + list(kw.values()) if isinstance(a, torch.Tensor)]
+            splits = args[2] if name == "all_to_all_single" and len(args) > 2 else kw.get("output_split_sizes")
             if name == "all_gather_into_tensor":
                 total += t[0].nbytes - t[1].nbytes
+            elif splits:                               # uneven all-to-all: all but what this rank sends itself
+                total += t[0].nbytes * (sum(splits) - splits[rank]) // max(sum(splits), 1)
             elif name in ("all_to_all_single", "reduce_scatter_tensor"):
                 total += t[-1].nbytes * (W - 1) // W
             elif name == "irecv":
@@ -64,7 +67,7 @@ class CommLog:
         def fresh(a):
             return torch.zeros_like(a) if isinstance(a, torch.Tensor) else a
         calls = [(fn, [fresh(a) for a in args], {k: fresh(v) for k, v in kw.items() if k != "async_op"})
-                 for _, fn, args, kw, _ in self.calls]
+                 for _, fn, args, kw, _, _ in self.calls]
 
         def step():
             works = [fn(*args, **kw) for fn, args, kw in calls]

@@ -2,7 +2,7 @@
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
 the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
 --fit), plot.py (ops and predictions), simulate.py (--smoke, and its event simulation on hand-made timelines),
-host_time.py (--smoke) and boundary_cuts.py (cuts by hand)."""
+host_time.py (--smoke), convert.py (--smoke, bytes by hand) and boundary_cuts.py (cuts by hand)."""
 from __future__ import annotations
 
 import csv
@@ -235,6 +235,38 @@ def test_simulate_smoke_rows_and_bytes(tmp_path):
 
 
 MS = 1e-3
+
+
+def test_comm_log_counts_what_an_uneven_all_to_all_brings_from_other_ranks():
+    """CommLog.received_bytes: an uneven all-to-all (the layout conversion's) brings its output less the
+    rows this rank sent itself; an even one (W - 1) / W of it."""
+    import torch
+
+    from benchmarks.timing import CommLog
+    out, x = torch.zeros(8, 4), torch.zeros(8, 4)          # 16 bytes a row
+    for args, rank, rows in [((out, x, [3, 5], [6, 2]), 0, 5), ((out, x, [3, 5], [6, 2]), 1, 3), ((out, x), 0, 4)]:
+        log = CommLog()
+        log.calls = [("all_to_all_single", None, args, {}, 2, rank)]
+        assert log.received_bytes == rows * 16, (args[2:], rank)
+
+
+def test_convert_smoke_counts_the_rows_that_leave(tmp_path):
+    """convert.py --smoke: one row; the rows kept and the bytes sent match a count of the rows whose
+    contiguous owner is another rank."""
+    from benchmarks.common import cu_seqlens
+    from megatron_kcp.parallel.relayout import positions
+    path = tmp_path / "convert.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "convert.py"), "--smoke", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    with open(path, newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    n, cu = 256, cu_seqlens("varlen", 256, pad=4)
+    pos = [positions(cu, "zigzag_per_doc", 2, 1, r) for r in range(2)]
+    leave = [int((p // (n // 2) != r).sum()) for r, p in enumerate(pos)]
+    assert float(row["kept"]) == pytest.approx(min(1 - x / len(p) for x, p in zip(leave, pos)), abs=1e-4)
+    assert float(row["sent_mib"]) == pytest.approx(max(leave) * 8 * 4 / 2**20, abs=1e-3)
+    assert float(row["fwd_ms"]) > 0 and float(row["ms"]) > 0
 
 
 def test_simulate_p2p_by_hand():
