@@ -1,7 +1,9 @@
-"""What every benchmark shares: the documents, the inputs, the error measure, and the ranks."""
+"""What every benchmark shares: the documents, the inputs, the error measure, the ranks, and the CSVs."""
 from __future__ import annotations
 
+import csv
 import math
+import os
 import socket
 import warnings
 
@@ -85,3 +87,24 @@ def init_rank(rank, W, port, device_type) -> torch.device:
     from megatron_kcp.testing.distributed import init_process
     warnings.simplefilter("ignore")              # library deprecation chatter would bury the table
     return init_process(rank, W, port, device_type)
+
+
+def measured_world(cp: int | None, hint: str = "") -> int:
+    """W for a measured run, a rank a GPU: ``cp``, or every GPU; the reason (and ``hint``) where it cannot."""
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
+    W = cp or torch.cuda.device_count()
+    if W < 2 or W > torch.cuda.device_count():
+        raise SystemExit(f"--cp {W}: a measured run needs 2 or more GPUs, one a rank (found "
+                         f"{torch.cuda.device_count()}){hint}")
+    return W
+
+
+def append_csv(path: str, columns, rows) -> None:
+    """``rows`` (dicts) appended to the CSV at ``path``, its header first where the file is new or empty."""
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, columns)
+        if new:
+            w.writeheader()
+        w.writerows(rows)

@@ -13,7 +13,6 @@ rank sending the most puts on the link a move. ``--note`` tags the rows (e.g. th
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import cu_seqlens, init_rank, spawn  # noqa: E402
+from benchmarks.common import append_csv, cu_seqlens, init_rank, measured_world, spawn  # noqa: E402
 from benchmarks.timing import Bench  # noqa: E402
 from megatron_kcp.parallel.relayout import positions, relayout  # noqa: E402
 
@@ -63,12 +62,7 @@ def worker(rank, W, port, args):
         for r in rows:
             print(", ".join(f"{k}={v}" for k, v in r.items()), flush=True)
         if args.csv:
-            new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
-            with open(args.csv, "a", newline="") as f:
-                w = csv.DictWriter(f, COLUMNS)
-                if new:
-                    w.writeheader()
-                w.writerows(rows)
+            append_csv(args.csv, COLUMNS, rows)
     dist.destroy_process_group()
 
 
@@ -89,12 +83,7 @@ def parse(argv=None):
         args.tokens, args.width, args.docs, args.warmup, args.iters = [256], 8, ["varlen"], 0, 1
         args.dtype, args.device, W = "float32", "cpu", args.cp or 2
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
-        args.device, W = "cuda", args.cp or torch.cuda.device_count()
-        if W < 2 or W > torch.cuda.device_count():
-            raise SystemExit(f"--cp {W}: a measured run needs 2 or more GPUs, one a rank (found "
-                             f"{torch.cuda.device_count()})")
+        args.device, W = "cuda", measured_world(args.cp)
     args.deadline = time.time() + 1e9
     return args, W
 

@@ -11,7 +11,6 @@ core to fla's kernels (default ``auto``, what a user gets).
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import statistics
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import free_port  # noqa: E402
+from benchmarks.common import append_csv, free_port  # noqa: E402
 
 COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "err")
 
@@ -104,12 +103,7 @@ def main(argv=None):
             mod = step = None
             torch.cuda.empty_cache()
     if args.csv:
-        new = not Path(args.csv).exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, COLUMNS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_csv(args.csv, COLUMNS, rows)
     dist.destroy_process_group()
 
 

@@ -66,7 +66,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import perdoc  # noqa: E402
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, rel_err, spawn  # noqa: E402
+from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, measured_world, rel_err, spawn  # noqa: E402
 from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
@@ -602,12 +602,7 @@ def parse(argv=None):
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         shapes = {n: perdoc.TINY[n] for n in args.shapes}
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU: run with --smoke for the CPU check")
-        args.device, W = "cuda", args.cp or torch.cuda.device_count()
-        if W < 2 or W > torch.cuda.device_count():
-            raise SystemExit(f"--cp {W}: a measured run needs 2 or more GPUs, one a rank (found "
-                             f"{torch.cuda.device_count()}); benchmarks/perdoc.py predicts W >= 2 from one GPU")
+        args.device, W = "cuda", measured_world(args.cp, "; benchmarks/perdoc.py predicts W >= 2 from one GPU")
         shapes = {n: perdoc.SHAPES[n] for n in args.shapes}
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)
     return args, W, shapes
