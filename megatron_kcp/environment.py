@@ -1,4 +1,4 @@
-"""What this machine can run, checked in one place: fla-core, flash-qla, TransformerEngine.
+"""What this machine can run, checked in one place: fla-core, flash-qla, fla's Gluon conv, TransformerEngine.
 
 Each check fails early with the fix, where the library would fail late or compute wrong numbers.
 Megatron's defaults assume TransformerEngine's (and apex's) fused kernels: without TE,
@@ -88,6 +88,40 @@ def qla_runs(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tup
     """Whether :func:`check_qla` passes (it says why not)."""
     try:
         check_qla(device, dtype, kda, head_dims)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+GLUON_CONV_ARCH = (9, 0)                     # fla's Gluon conv is measured and tested from Hopper on
+GLUON_CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_gluon_conv(device: torch.device, dtype: torch.dtype, kernel_size: int) -> None:
+    """fla's Gluon short-conv kernels run this conv here; ValueError / RuntimeError naming the fix if not."""
+    if dtype not in GLUON_CONV_DTYPES:
+        raise ValueError(f"conv backend 'gluon' takes bf16, fp16 or fp32 inputs, got {dtype}: use backend='fla'")
+    if kernel_size not in (2, 3, 4):
+        raise ValueError(f"conv backend 'gluon' takes kernel sizes 2 to 4, got {kernel_size}: use backend='fla'")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("conv backend 'gluon' needs a CUDA GPU; on CPU use backend='reference'")
+    cap = _capability(device)
+    if cap < GLUON_CONV_ARCH:
+        raise RuntimeError(f"conv backend 'gluon' is measured and tested from Hopper (sm90) on, this GPU is "
+                           f"sm{cap[0]}{cap[1]}: use backend='fla'")
+    try:
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"conv backend 'gluon' needs a Triton with Gluon (3.5 or newer): use backend='fla' ({e})"
+                           ) from e
+    check_fla(device)
+
+
+@functools.lru_cache(maxsize=64)
+def gluon_conv_runs(device: torch.device, dtype: torch.dtype, kernel_size: int) -> bool:
+    """Whether :func:`check_gluon_conv` passes (it says why not)."""
+    try:
+        check_gluon_conv(device, dtype, kernel_size)
     except (ValueError, RuntimeError):
         return False
     return True

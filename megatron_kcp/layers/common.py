@@ -4,7 +4,7 @@ The line, printed once by global rank 0 at the first forward of a KCP mixer::
 
     [megatron_kcp] KCP active: KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout contiguous
     (THD packed documents, hidden states moved from zigzag_per_doc at the edges of each run of linear
-    layers: 4 all-to-alls per forward, as many backward), strategy gather, core flash-qla, layers local
+    layers: 4 all-to-alls per forward, as many backward), strategy gather, core flash-qla, conv gluon, layers local
 
 An unmodified Megatron-LM that cannot import a ``--spec`` logs the error and trains its default GPT:
 without this line, a run is not using the KCP mixers. Under pipeline parallelism rank 0 holds the
@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_kcp.environment import te_available
 from megatron_kcp.layers import layout as hidden
 from megatron_kcp.ops import dispatch
+from megatron_kcp.ops.kcp import conv_backend
 from megatron_kcp.parallel.plan import KCPPlan, plan_for_cp_group
 
 _announced = False
@@ -55,4 +56,5 @@ def announce(mixer, plan: KCPPlan, q, v, g, packed_seq_params=None, tp_size: int
     print(f"[megatron_kcp] KCP active: {type(mixer).__name__} (layer {mixer.layer_number}{extra}), "
           f"CP size {plan.world_size}, TP size {tp_size}, layout {plan.layout} "
           f"({'THD packed documents' if thd else '[s, b] rows'}{hidden.describe(mixer, plan)}), {chosen.describe()}, "
+          f"conv {conv_backend(q.device, q.dtype, plan.conv_kernel_size)}, "
           f"layers {'transformer_engine' if te_available() else 'local'}", flush=True)

@@ -16,18 +16,12 @@ class _HaloToState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows_in, plan: KCPPlan):
-        segs, pieces = _halo_segments(plan)
-        hl, ks = plan.halo_len, plan.conv_kernel_size
-        state = rows_in.new_zeros(plan.num_segments, rows_in.shape[1], ks)
-        if segs:
-            rows = rows_in.view(plan.num_pieces, hl, -1).index_select(0, index_tensor(pieces, rows_in.device))
-            state[..., 1:].index_copy_(0, index_tensor(segs, rows_in.device), rows.transpose(1, 2))
         ctx.plan, ctx.shape = plan, rows_in.shape
-        return state
+        return halo_state(rows_in, plan)
 
     @staticmethod
     def backward(ctx, dstate):
-        segs, pieces = _halo_segments(ctx.plan)
+        segs, pieces = halo_segments(ctx.plan)
         plan = ctx.plan
         dhalo = dstate.new_zeros(plan.num_pieces, plan.halo_len, ctx.shape[1])
         if segs:
@@ -37,11 +31,22 @@ class _HaloToState(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=64)
-def _halo_segments(plan: KCPPlan):
+def halo_segments(plan: KCPPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(segments that continue a sequence from an earlier piece, the piece each starts)."""
     starts = {s: p for p, (s, _) in enumerate(plan.pieces)}
     pairs = [(i, starts[s]) for i, s in enumerate(plan.seg_start) if s in starts and plan.pred[i] is not None]
     return tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
+
+
+def halo_state(rows_in: torch.Tensor, plan: KCPPlan) -> torch.Tensor:
+    """Halo rows ``[P * (ks - 1), D]`` -> fla's conv initial states ``[num_segments, D, ks]`` (zero where a
+    segment starts its sequence)."""
+    segs, pieces = halo_segments(plan)
+    state = rows_in.new_zeros(plan.num_segments, rows_in.shape[1], plan.conv_kernel_size)
+    if segs:
+        rows = rows_in.view(plan.num_pieces, plan.halo_len, -1).index_select(0, index_tensor(pieces, rows_in.device))
+        state[..., 1:].index_copy_(0, index_tensor(segs, rows_in.device), rows.transpose(1, 2))
+    return state
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,12 +64,18 @@ def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
         ``[1, T, D]``. Segments of one length (a rank's zigzag pieces, Megatron's ``[s, b]`` rows) go
         as a batch of rows, whose backward kernel is faster than fla's varlen one.
     """
-    from fla.modules.causal_conv1d import causal_conv1d as conv
-    state = None
+    rows = None
     if plan.world_size > 1 and plan.halo_len:
         # every rank passes a state (zeros where no segment continues): the halo's gradient then
         # reaches the backward collective on every rank, which all of them must join
-        state = _HaloToState.apply(halo.halo(x.squeeze(0), plan, group), plan).contiguous()
+        rows = halo.halo(x.squeeze(0), plan, group)
+    return local_conv(x, weight, bias, activation, plan, rows)
+
+
+def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
+    """:func:`causal_conv1d` given the halo rows ``[pieces * (kernel_size - 1), D]`` (None: no CP)."""
+    from fla.modules.causal_conv1d import causal_conv1d as conv
+    state = _HaloToState.apply(rows, plan).contiguous() if rows is not None else None
     if _equal_segments(plan):
         n = plan.num_segments
         y, _ = conv(x.view(n, -1, x.shape[-1]), weight, bias, initial_state=state, activation=activation)

@@ -58,11 +58,14 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
     Returns:
         ``[1, T, D]``.
     """
+    return local_conv(x, weight, bias, activation, plan, halo.halo(x[0], plan, group) if plan.halo_len else None)
+
+
+def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
+    """:func:`causal_conv1d` given the halo rows ``[pieces * (kernel_size - 1), D]`` (None: no halo)."""
     x2 = x[0]
     taps = _taps_on(plan, str(x.device))
-    parts = [x2]
-    if plan.halo_len:
-        parts.append(halo.halo(x2, plan, group))
+    parts = [x2] + ([rows] if rows is not None else [])
     parts.append(x2.new_zeros(1, x2.shape[1]))
     xe = torch.cat(parts)
     # one gathered [T, D] view per tap, never the [T, ks, D] window tensor

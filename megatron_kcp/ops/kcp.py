@@ -7,12 +7,15 @@ single-device run forward and backward. Which local core and exchange strategy r
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_kcp.ops import conv_reference, dispatch
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, split_segments
 
-CONV_BACKENDS = ("auto", "reference", "fla", "qla")
+CONV_BACKENDS = ("auto", "reference", "fla", "gluon", "qla")
+CONV_ENV = "KCP_CONV"          # the conv backend that ``auto`` means (unset: the fastest that runs)
 
 
 def check_inputs(q, k, v, g, beta, plan: KCPPlan, initial_state=None) -> None:
@@ -85,8 +88,8 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
         x: ``[1, T, D]``, this rank's stream; weight: ``[D, kernel_size]``; bias: ``[D]`` or None.
         activation: ``"silu"`` / ``"swish"`` or None.
         plan: this rank's plan, built with ``conv_kernel_size=kernel_size``; group: the CP group.
-        backend: ``auto`` (fla's conv on CUDA, else the reference), ``reference``, or ``fla`` / ``qla``
-            (fla's conv: flash-qla has none).
+        backend: ``auto`` (:func:`conv_backend`), ``reference``, ``fla`` / ``qla`` (fla's Triton kernels:
+            flash-qla has no conv) or ``gluon`` (fla's Gluon kernels, Hopper and newer).
     Returns:
         ``[1, T, D]``.
     """
@@ -102,13 +105,36 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
                          "pieces): pass the plan the mixer built")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported conv activation {activation!r}: use 'silu' or None")
-    if backend not in CONV_BACKENDS:
-        raise ValueError(f"unknown conv backend {backend!r}: choose one of {CONV_BACKENDS}")
+    backend = conv_backend(x.device, x.dtype, weight.shape[-1], backend)
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
-    if backend != "reference" and (backend != "auto" or x.is_cuda):
+    if backend == "gluon":
+        from megatron_kcp.ops import conv_gluon
+        return conv_gluon.causal_conv1d(x, weight, bias, activation, plan, group)
+    if backend == "fla":
         from megatron_kcp.environment import check_fla
         from megatron_kcp.ops import conv_fla
         check_fla(x.device)
         return conv_fla.causal_conv1d(x, weight, bias, activation, plan, group)
     return conv_reference.causal_conv1d(x, weight, bias, activation, plan, group)
+
+
+def conv_backend(device: torch.device, dtype: torch.dtype, kernel_size: int, backend: str = "auto") -> str:
+    """The conv kernels a call runs, ``reference`` | ``fla`` (fla's Triton kernels) | ``gluon`` (fla's
+    Gluon kernels). ``auto`` means ``KCP_CONV`` where set, else Gluon's where they run (measured about
+    twice as fast forward and backward: BENCHMARKS.md), fla's Triton kernels elsewhere on CUDA, the
+    reference on the CPU. A backend named (or set in ``KCP_CONV``) that cannot run here is an error."""
+    if backend not in CONV_BACKENDS:
+        raise ValueError(f"unknown conv backend {backend!r}: choose one of {CONV_BACKENDS}")
+    if backend == "auto":
+        backend = os.environ.get(CONV_ENV) or "auto"
+        if backend not in CONV_BACKENDS:
+            raise ValueError(f"{CONV_ENV}={backend!r} is not a conv backend: set one of {CONV_BACKENDS} or unset it")
+    from megatron_kcp.environment import check_gluon_conv, gluon_conv_runs
+    if backend == "auto":
+        if device.type != "cuda":
+            return "reference"
+        return "gluon" if gluon_conv_runs(device, dtype, kernel_size) else "fla"
+    if backend == "gluon":
+        check_gluon_conv(device, dtype, kernel_size)
+    return "fla" if backend == "qla" else backend

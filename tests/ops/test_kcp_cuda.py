@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.environment import check_qla
+from megatron_kcp.environment import check_gluon_conv, check_qla
 from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.parallel.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import rel_err, spawn
@@ -68,10 +68,12 @@ def _precision(monkeypatch):
         enable()
 
 
-def _conv(plan, group, x, w, dy, backend):
-    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    y = kcp.causal_conv1d(x, w, None, "silu", plan=plan, group=group, backend=backend)
-    return [y, *torch.autograd.grad(y, [x, w], dy)]
+def _conv(plan, group, x, w, dy, backend, b=None):
+    """The conv's output and its gradients (x, weight, and bias where given)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, *([b] if b is not None else []))]
+    y = kcp.causal_conv1d(leaves[0], leaves[1], leaves[2] if b is not None else None, "silu", plan=plan, group=group,
+                          backend=backend)
+    return [y, *torch.autograd.grad(y, leaves, dy)]
 
 
 def _backend(kda, dtype):
@@ -88,7 +90,7 @@ def _run(plan, group, xs, do, strategy, conv, backend="fla"):
     xs = [x.detach().clone().requires_grad_() for x in xs]
     cut = dict(strategy="auto", max_segment=SPLIT) if strategy == "split" else dict(strategy=strategy)
     o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, **cut)
-    conv_backend = "reference" if backend == "reference" else "fla"
+    conv_backend = "reference" if backend == "reference" else "auto"      # fla's Gluon kernels where they run
     return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, conv_backend)]
 
 
@@ -164,13 +166,14 @@ def test_single_device_call_matches_reference(model, dtype):
     assert all(e <= tolerance(n.split("|")[0], dtype, kda) for n, e in errs.items()), errs
 
 
-def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
-    """fla's conv against the fp32 reference conv of the whole stream, every layout; with the halo
+def _conv_segments(out_dir, docs="equal", dtype=torch.float32, backend="fla", bias=False):
+    """fla's conv (``backend``: its Triton or its Gluon kernels) against the fp32 reference conv of the
+    whole stream, every layout, output and the gradients of input, weight (and bias); with the halo
     switched off it must miss (long pieces: in fp32, by 10x the error with it). ``equal``: two sequences
-    of 2W pieces of 96 tokens, 64 channels (local segments of one length: run as a batch of rows, with
-    the halo as each row's initial state);
+    of 2W pieces of 96 tokens, 64 channels (local segments of one length: on Triton's kernels run as a
+    batch of rows, with the halo as each row's initial state);
     ``single``, ``varlen``: one sequence and the ten documents of ``VARLEN_32K``, 32k tokens of 4096
-    channels (Kimi-Linear's q, k or v conv), pieces of thousands of tokens on both of fla's paths."""
+    channels (Kimi-Linear's q, k or v conv), pieces of thousands of tokens on both of fla's Triton paths."""
     from megatron.core import parallel_state as ps
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
@@ -182,8 +185,9 @@ def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
         D = 4096
     x, dy = (torch.randn(1, cu[-1], D, generator=gen).cuda() for _ in range(2))
     w = (torch.randn(D, KS, generator=gen) * 0.5).cuda()
+    b = torch.randn(D, generator=gen).cuda() if bias else None
     x, dy = x.to(dtype), dy.to(dtype)
-    ref = _conv(build_plan(cu, "contiguous", 1, 0, KS), None, x.float(), w, dy.float(), "reference")
+    ref = _conv(build_plan(cu, "contiguous", 1, 0, KS), None, x.float(), w, dy.float(), "reference", b)
     tol = CONV_TOL if dtype == torch.float32 else TOL[dtype]
     lines = []
     for layout in LAYOUTS:
@@ -193,10 +197,11 @@ def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
         xl, dyl = shard(plan, x, dy)
 
         def errors():
-            y, dx, dw = _conv(plan, group, xl, w, dyl, "fla")
-            dist.all_reduce(dw, group=group)           # each rank holds its tokens' share
+            y, dx, *dwb = _conv(plan, group, xl, w, dyl, backend, b)
+            for d in dwb:
+                dist.all_reduce(d, group=group)        # each rank holds its tokens' share
             e = torch.tensor([rel_err(y, shard(plan, ref[0])[0]), rel_err(dx, shard(plan, ref[1])[0]),
-                              rel_err(dw, ref[2])], device="cuda", dtype=torch.float64)
+                              *(rel_err(d, r) for d, r in zip(dwb, ref[2:]))], device="cuda", dtype=torch.float64)
             dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
             return e.tolist()
         errs = errors()
@@ -208,7 +213,8 @@ def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
         # a halo crosses ranks where some rank's segment continues a sequence
         crossing = torch.tensor(float(any(p is not None for p in plan.pred)), device="cuda")
         dist.all_reduce(crossing, op=dist.ReduceOp.MAX, group=group)
-        lines.append(f"W={W} {docs} {str(dtype)[6:]} {layout}: y, dx, dw {errs}; halo off {off}")
+        lines.append(f"W={W} {docs} {str(dtype)[6:]} {backend}{' bias' if bias else ''} {layout}: y, dx, dw"
+                     f"{', db' if bias else ''} {errs}; halo off {off}")
         if r == 0:
             print(lines[-1], flush=True)
         assert max(errs) <= tol, lines[-1]
@@ -218,18 +224,23 @@ def _conv_segments(out_dir, docs="equal", dtype=torch.float32):
             assert min(off[:2]) >= 10 * max(*errs[:2], CONV_TOL / 100), lines[-1]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_conv_equal_segments_match_reference(world_size):
-    spawn(_conv_segments, world_size, os.environ.get("KCP_EVIDENCE_DIR"))
+@pytest.mark.parametrize("backend,bias", [("fla", False), ("gluon", False), ("gluon", True)])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_conv_equal_segments_match_reference(world_size, backend, bias):
+    if backend == "gluon":
+        check_gluon_conv(torch.device("cuda"), torch.float32, KS)       # an error, not a skip, where it cannot
+    spawn(_conv_segments, world_size, os.environ.get("KCP_EVIDENCE_DIR"), "equal", torch.float32, backend, bias)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fla", "gluon"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("docs", ["single", "varlen"])
-def test_conv_long_segments_match_reference(docs, dtype):
+def test_conv_long_segments_match_reference(docs, dtype, backend):
     """Pieces of thousands of tokens at 4096 channels, as a 32k pack of real documents gives a rank (the
-    other conv tests' pieces are 96 tokens or fewer): the batch-of-rows path and fla's varlen path."""
-    spawn(_conv_segments, 2, os.environ.get("KCP_EVIDENCE_DIR"), docs, dtype)
+    other conv tests' pieces are 96 tokens or fewer): fla's Triton batch-of-rows and varlen paths, and
+    its Gluon kernels."""
+    spawn(_conv_segments, 2, os.environ.get("KCP_EVIDENCE_DIR"), docs, dtype, backend)
 
 
 @pytest.mark.parametrize("backend,cut", [("qla", 192), ("qla", 100), ("fla", 192)])
