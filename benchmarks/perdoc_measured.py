@@ -100,8 +100,11 @@ def env(**values):
 
 
 def method_env(method: str) -> dict:
-    """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, and our overrides."""
-    return {"FLA_FLASH_QLA": "1" if method in QLA else "0",
+    """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, our overrides, and the
+    peers' short conv: fla's Triton kernels, as megatron-core's GatedDeltaNet runs it (fla's dispatch
+    keeps its Gluon kernels out of distributed runs); ours: the default's pick, or ``KCP_CONV`` where set."""
+    peer_conv = {} if method.startswith("kcp") else {"KCP_CONV": "fla"}
+    return {**peer_conv, "FLA_FLASH_QLA": "1" if method in QLA else "0",
             "KCP_CONVERT": {"kcp-noconvert": "0", "mlm-chunkwise": "1", "kcp-convert": "1",
                             "kcp-contiguous": "1"}.get(method),
             "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None,

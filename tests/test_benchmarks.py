@@ -2,7 +2,8 @@
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
 the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
 --fit), plot.py (ops and predictions), simulate.py (--smoke, and its event simulation on hand-made timelines),
-host_time.py (--smoke), convert.py (--smoke, bytes by hand) and boundary_cuts.py (cuts by hand)."""
+host_time.py (--smoke), convert.py (--smoke, bytes by hand), conv.py (--smoke) and boundary_cuts.py (cuts by
+hand)."""
 from __future__ import annotations
 
 import csv
@@ -540,3 +541,15 @@ def test_device_perdoc_walks_the_measured_stages_on_the_cpu(tmp_path):
         text = (tmp_path / f"{name}.csv").read_text().splitlines()
         assert text.count(text[0]) == 1, name          # the jobs' rows appended under one header
     assert len(list(tmp_path.iterdir())) <= 8
+
+
+def test_conv_smoke_writes_a_row_per_layout(tmp_path):
+    """conv.py --smoke: the reference conv of each rank's plan, one row per layout, in its columns."""
+    path = tmp_path / "conv.csv"
+    run = subprocess.run([sys.executable, str(BENCH / "conv.py"), "--smoke", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["layout"], r["backend"]) for r in rows] == [("contiguous", "reference"), ("zigzag_per_doc", "reference")]
+    assert all(float(r["ms"]) > 0 and float(r["err"]) == 0 for r in rows)
