@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -46,7 +47,6 @@ def timed(step, warmup: int, iters: int, cuda: bool) -> float:
             b.synchronize()
             times.append(a.elapsed_time(b))
         else:
-            import time
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
