@@ -99,11 +99,12 @@ def env(**values):
         yield
 
 
-def method_env(method: str) -> dict:
+def method_env(method: str, cuda: bool) -> dict:
     """What a method sets: flash-qla handed GDN by fla (``-qla`` rows) or not, our overrides, and the
-    peers' short conv: fla's Triton kernels, as megatron-core's GatedDeltaNet runs it (fla's dispatch
-    keeps its Gluon kernels out of distributed runs); ours: the default's pick, or ``KCP_CONV`` where set."""
-    peer_conv = {} if method.startswith("kcp") else {"KCP_CONV": "fla"}
+    peers' short conv on a GPU: fla's Triton kernels, as megatron-core's GatedDeltaNet runs it (fla's
+    dispatch keeps its Gluon kernels out of distributed runs); ours: the default's pick, or ``KCP_CONV``
+    where set."""
+    peer_conv = {"KCP_CONV": "fla"} if cuda and not method.startswith("kcp") else {}
     return {**peer_conv, "FLA_FLASH_QLA": "1" if method in QLA else "0",
             "KCP_CONVERT": {"kcp-noconvert": "0", "mlm-chunkwise": "1", "kcp-convert": "1",
                             "kcp-contiguous": "1"}.get(method),
@@ -224,7 +225,7 @@ def run_method(c: Case, level: str, method: str, fn):
         c.skip(level, method, "n/a: flash-qla is not installed (pip install flash-qla==0.1.3)")
         return
     try:
-        with env(**method_env(method)):
+        with env(**method_env(method, c.b.cuda)):
             fn()
     except Exception as e:  # noqa: BLE001 - one method failing must not lose the others
         first = str(e).splitlines()[0][:160] if str(e) else ""
