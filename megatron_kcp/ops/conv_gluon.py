@@ -3,8 +3,8 @@
 fla 0.6.0 ships its short conv twice: Triton kernels (its default) and Gluon kernels that keep a
 token window in registers and recompute the activation inside the backward (fla enables them only
 by ``FLA_CONV_GLUON`` and only outside distributed runs, where its own CP conv passes states). At
-the mixers' shapes they take about half the Triton kernels' time forward and backward
-(BENCHMARKS.md, "The short conv"). Their forward takes the halo as fla's initial conv state; their
+the mixers' shapes they are the faster of the two, forward and backward (BENCHMARKS.md, "The short
+conv"). Their forward takes the halo as fla's initial conv state; their
 backward takes no state and treats every segment as a sequence start. For each segment that
 continues a sequence, :func:`_halo_fix_kernel` then recomputes what the halo changes: the input
 gradient of the segment's first ``kernel_size - 1`` tokens, the halo rows' gradient, and the weight

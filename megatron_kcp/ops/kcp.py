@@ -121,8 +121,8 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
 
 def conv_backend(device: torch.device, dtype: torch.dtype, kernel_size: int, backend: str = "auto") -> str:
     """The conv kernels a call runs, ``reference`` | ``fla`` (fla's Triton kernels) | ``gluon`` (fla's
-    Gluon kernels). ``auto`` means ``KCP_CONV`` where set, else Gluon's where they run (measured about
-    twice as fast forward and backward: BENCHMARKS.md), fla's Triton kernels elsewhere on CUDA, the
+    Gluon kernels). ``auto`` means ``KCP_CONV`` where set, else Gluon's where they run (measured faster
+    forward and backward: BENCHMARKS.md, "The short conv"), fla's Triton kernels elsewhere on CUDA, the
     reference on the CPU. A backend named (or set in ``KCP_CONV``) that cannot run here is an error."""
     if backend not in CONV_BACKENDS:
         raise ValueError(f"unknown conv backend {backend!r}: choose one of {CONV_BACKENDS}")
