@@ -17,6 +17,9 @@
 # Every GPU test is in a suite; the 2-GPU ones (train_*, nccl) skip on one GPU.
 # Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
 # kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
+# Logs and per-case errors travel as one archive, $OUT/evidence.tar.gz, packed again as each suite ends;
+# cut short (TERM or INT, e.g. a time limit's), the script packs what the suites have written so far
+# and names the ones it cut in summary.txt, so $OUT never holds more than a few files.
 set -uo pipefail
 SUITES="layout_w4_block_gdn layout_w4_block_kda layout_w4_mixers train_gdn train_kda ops_w2 ops_w4 layout_mixers
   layout_block_gdn layout_block_kda ops_pieces ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla layers_w4
@@ -35,26 +38,49 @@ if [ "$gpus" -eq 0 ]; then
   exit 2
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT="${OUT:-/tmp/out}" PYTHONWARNINGS=ignore
-export KCP_EVIDENCE_DIR="$OUT" KCP_FAST_AUTOTUNE=1
+EVIDENCE=$(mktemp -d)          # the logs, packed into $OUT/evidence.tar.gz
+export KCP_EVIDENCE_DIR="$EVIDENCE" KCP_FAST_AUTOTUNE=1
 source scripts/device_cache.sh
+pack() {   # suites end side by side: one packs at a time, and the archive is replaced whole (tar's exit 1:
+           # a log grew while read, the archive stands)
+  (flock 9; tar --warning=no-file-changed -czf "$OUT/evidence.tmp.tar.gz" -C "$EVIDENCE" .
+   [ $? -le 1 ] && mv -f "$OUT/evidence.tmp.tar.gz" "$OUT/evidence.tar.gz") 9> "$EVIDENCE.lock"
+}
+cut_short() {
+  trap - TERM INT
+  for f in "$EVIDENCE"/*.running; do
+    [ -e "$f" ] && echo "$(basename "$f" .running): cut short after $(( $(date +%s) - $(cat "$f") )) s" >> "$EVIDENCE/summary.txt"
+  done
+  pack
+  rm -rf "$EVIDENCE" "$EVIDENCE.lock"
+  echo "cut short: the evidence so far is in $OUT/evidence.tar.gz" >&2
+  exit 124
+}
+trap cut_short TERM INT
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c 'import sys, torch, triton, fla, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla", fla.__version__, "megatron-core", m.__version__)'
   python -c 'import tilelang; print("tilelang", tilelang.__version__)' 2>&1 | tail -1
-} | tee "$OUT/versions.txt"
+} | tee "$EVIDENCE/versions.txt"
 limit="${KCP_TEST_TIMEOUT:-900}"
 jobs_max="${KCP_CHECK_JOBS:-$((3 * gpus))}"   # suites at a time: more than three a GPU run it out of memory
 suite() {   # name, pytest args...
   local name=$1; shift
   local t0=$SECONDS
-  timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
+  date +%s > "$EVIDENCE/$name.running"
+  timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$EVIDENCE/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s" >> "$EVIDENCE/summary.txt"
+  rm -f "$EVIDENCE/$name.running"
+  pack
 }
 memory() {   # peak memory is per process: sharing the GPU does not change it
   local t0=$SECONDS
+  date +%s > "$EVIDENCE/memory.running"
   timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
-    --layouts contiguous zigzag --warmup 1 > "$OUT/memory.txt" 2>&1
-  echo "memory: exit $? after $((SECONDS - t0)) s" >> "$OUT/summary.txt"
+    --layouts contiguous zigzag --warmup 1 > "$EVIDENCE/memory.txt" 2>&1
+  echo "memory: exit $? after $((SECONDS - t0)) s" >> "$EVIDENCE/summary.txt"
+  rm -f "$EVIDENCE/memory.running"
+  pack
 }
 pool() {   # name, then suite's pytest args (or nothing: the memory report): started once a slot is free
   [[ -z "${KCP_CHECK_SUITES:-}" || " $KCP_CHECK_SUITES " == *" $1 "* ]] || return 0
@@ -87,8 +113,8 @@ pool graph tests/ops/test_kcp_cuda.py -k replays
 pool ops_w1 tests/ops/test_kcp_cuda.py tests/parallel/test_gather.py -k "fla_matches or scattered or fold_on_the_gpu"
 [ -z "${KCP_SKIP_MEMORY:-}" ] && pool memory
 wait
+pack
+rm -rf "$EVIDENCE" "$EVIDENCE.lock"
 save_cache
-# logs and per-case errors travel as one archive
-(cd "$OUT" && tar -czf evidence.tar.gz --remove-files ./*.log ./*.txt)
 tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt
 tar -xzf "$OUT/evidence.tar.gz" -O --wildcards './*.log' | grep -E "^(PASSED|FAILED|ERROR)|(passed|failed)( |,)"

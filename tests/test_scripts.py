@@ -1,6 +1,7 @@
 """The entry scripts walked through dry: scripts/train_multi_node.sbatch under stand-in `srun` and
 `scontrol` (no slurm needed), scripts/train_single_node.sh and scripts/run.sh. Each node's torchrun
-command comes from the launcher's --dry-run."""
+command comes from the launcher's --dry-run. scripts/device_gpu_checks.sh under stand-in `nvidia-smi`
+and `python`: its refusals, its suite list, and its evidence archive, whole or cut short."""
 from __future__ import annotations
 
 import json
@@ -233,3 +234,74 @@ def test_gpu_checks_name_every_suite_they_run():
     started = {line.split()[1] for line in text.splitlines() if line.lstrip().startswith("pool ")}
     started |= {line.split()[-1] for line in text.splitlines() if "&& pool " in line}
     assert listed == started, (listed, started)
+
+
+STANDIN_NVIDIA_SMI = "#!/usr/bin/env bash\n[ \"$1\" = -L ] && echo 'GPU 0: stand-in' || echo 'stand-in, 1 MiB, 0'\n"
+STANDIN_PYTHON = r'''#!/usr/bin/env bash
+# stand-in python: a pytest run passes at once, except the graph suite's, which waits for $STANDIN/release
+[ "$1" = -m ] || { echo "stand-in $1"; exit 0; }
+echo "case of $*" >> "$KCP_EVIDENCE_DIR/cases.txt"
+if [[ "$*" == *replays* ]]; then
+  for _ in $(seq 600); do [ -e "$STANDIN/release" ] && break; sleep 0.1; done
+fi
+echo "PASSED stand-in"; echo "1 passed in 0.01s"
+'''
+
+
+def _gpu_checks(tmp_path):
+    """A checkout with device_gpu_checks.sh, stand-in nvidia-smi (one GPU) and python; (command, env, OUT)."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    shutil.copytree(ROOT / "scripts", repo / "scripts", ignore=shutil.ignore_patterns("tuning"))
+    bin_dir.mkdir()
+    for name, text in (("nvidia-smi", STANDIN_NVIDIA_SMI), ("python", STANDIN_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), STANDIN=str(tmp_path),
+               KCP_CHECK_SUITES="ops_w1 graph", KCP_SKIP_MEMORY="1")
+    return ["bash", "scripts/device_gpu_checks.sh"], repo, env, out
+
+
+def _evidence(out) -> dict[str, str]:
+    import tarfile
+    with tarfile.open(out / "evidence.tar.gz") as t:
+        return {pathlib.Path(m.name).name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
+
+
+def test_gpu_checks_pack_their_evidence(tmp_path):
+    """The logs and the tests' own evidence leave as one archive; $OUT holds it and the caches alone."""
+    cmd, repo, env, out = _gpu_checks(tmp_path)
+    (tmp_path / "release").touch()
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files = _evidence(out)
+    assert {"ops_w1.log", "graph.log", "summary.txt", "versions.txt", "cases.txt"} <= set(files), sorted(files)
+    assert "ops_w1: exit 0" in files["summary.txt"] and "graph: exit 0" in files["summary.txt"]
+    assert not any(f.endswith(".running") for f in files)
+    assert sorted(p.name for p in out.iterdir()) == ["evidence.tar.gz", "tcache-fast.tar.xz", "tcache.tar.xz"]
+
+
+def test_gpu_checks_cut_short_keep_what_ran(tmp_path):
+    """Stopped by a time limit's TERM while a suite runs: the archive holds every log so far and the
+    summary names the suite cut; nothing else is left in $OUT."""
+    import signal
+    import time
+    cmd, repo, env, out = _gpu_checks(tmp_path)
+    run = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:      # ops_w1 done, graph waiting
+            if (out / "evidence.tar.gz").exists() and "ops_w1: exit 0" in _evidence(out).get("summary.txt", ""):
+                break
+            time.sleep(0.2)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 124, run.stderr.read()
+    finally:
+        (tmp_path / "release").touch()     # the stand-in graph suite ends
+        run.kill()
+    files = _evidence(out)
+    assert "ops_w1: exit 0" in files["summary.txt"], files["summary.txt"]
+    assert "graph: cut short after" in files["summary.txt"], files["summary.txt"]
+    assert "graph.log" in files and "ops_w1.log" in files
+    assert [p.name for p in out.iterdir()] == ["evidence.tar.gz"]
