@@ -14,6 +14,8 @@
 # suites run side by side, since on a fresh machine their time is Triton compiling on the CPU cores:
 # KCP_CHECK_JOBS at a time (default three a GPU; more run one GPU out of memory), longest first.
 # KCP_CHECK_SUITES (names, e.g. "ops_w2 graph") runs a part; KCP_TEST_TIMEOUT (s, default 900) limits each.
+# The tests read a part of a suite from the environment, which the suites pass on: KCP_GPU_MODELS (gdn,kda),
+# KCP_GPU_DTYPES (bfloat16,float32) and KCP_GPU_LAYOUTS cut the op suites, KCP_GPU_DOCS the layout ones.
 # Every GPU test is in a suite; the 2-GPU ones (train_*, nccl) skip on one GPU.
 # Triton's autotune results (small JSON files) are packed into $OUT/tcache-fast.tar.xz, tilelang's compiled
 # kernels into $OUT/tcache.tar.xz: copied to .tcache/ in the checkout, they spare a later run compiling.
