@@ -66,23 +66,22 @@ trap cut_short TERM INT
 } | tee "$EVIDENCE/versions.txt"
 limit="${KCP_TEST_TIMEOUT:-900}"
 jobs_max="${KCP_CHECK_JOBS:-$((3 * gpus))}"   # suites at a time: more than three a GPU run it out of memory
-suite() {   # name, pytest args...
-  local name=$1; shift
+logged() {   # name, log file, command...: run under the time limit, its exit status in summary.txt
+  local name=$1 log=$2; shift 2
   local t0=$SECONDS
   date +%s > "$EVIDENCE/$name.running"
-  timeout "$limit" python -m pytest -q -s -rA -p no:cacheprovider "$@" > "$EVIDENCE/$name.log" 2>&1
+  timeout "$limit" "$@" > "$EVIDENCE/$log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s" >> "$EVIDENCE/summary.txt"
   rm -f "$EVIDENCE/$name.running"
   pack
 }
+suite() {   # name, pytest args...
+  local name=$1; shift
+  logged "$name" "$name.log" python -m pytest -q -s -rA -p no:cacheprovider "$@"
+}
 memory() {   # peak memory is per process: sharing the GPU does not change it
-  local t0=$SECONDS
-  date +%s > "$EVIDENCE/memory.running"
-  timeout "$limit" python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
-    --layouts contiguous zigzag --warmup 1 > "$EVIDENCE/memory.txt" 2>&1
-  echo "memory: exit $? after $((SECONDS - t0)) s" >> "$EVIDENCE/summary.txt"
-  rm -f "$EVIDENCE/memory.running"
-  pack
+  logged memory memory.txt python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
+    --layouts contiguous zigzag --warmup 1
 }
 pool() {   # name, then suite's pytest args (or nothing: the memory report): started once a slot is free
   [[ -z "${KCP_CHECK_SUITES:-}" || " $KCP_CHECK_SUITES " == *" $1 "* ]] || return 0
