@@ -180,7 +180,7 @@ def test_profile_prints_the_kernel_tables():
 def _gpu_checks_memory_args() -> list[str]:
     """The arguments scripts/device_gpu_checks.sh gives bench_ops.py --memory-only."""
     script = (BENCH.parent / "scripts" / "device_gpu_checks.sh").read_text().replace("\\\n", " ")
-    line = re.search(r"benchmarks/bench_ops\.py (--memory-only[^>]*)>", script)
+    line = re.search(r"benchmarks/bench_ops\.py (--memory-only[^>\n]*)", script)
     assert line, "device_gpu_checks.sh no longer runs bench_ops.py --memory-only"
     return shlex.split(line.group(1))
 
