@@ -22,6 +22,8 @@
 # Logs and per-case errors travel as one archive, $OUT/evidence.tar.gz, packed again as each suite ends;
 # cut short (TERM or INT, e.g. a time limit's), the script packs what the suites have written so far
 # and names the ones it cut in summary.txt, so $OUT never holds more than a few files.
+# Exit status: 0 when every suite (and the memory report) exited 0, 1 when one did not, 124 when cut short,
+# 2 when the input is refused before anything runs.
 set -uo pipefail
 SUITES="layout_w4_block_gdn layout_w4_block_kda layout_w4_mixers train_gdn train_kda ops_w2 ops_w4 layout_mixers
   layout_block_gdn layout_block_kda ops_pieces ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla layers_w4
@@ -117,5 +119,7 @@ wait
 pack
 rm -rf "$EVIDENCE" "$EVIDENCE.lock"
 save_cache
-tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt
-tar -xzf "$OUT/evidence.tar.gz" -O --wildcards './*.log' | grep -E "^(PASSED|FAILED|ERROR)|(passed|failed)( |,)"
+summary=$(tar -xzf "$OUT/evidence.tar.gz" -O ./summary.txt)
+echo "$summary"
+tar -xzf "$OUT/evidence.tar.gz" -O --wildcards './*.log' 2> /dev/null | grep -E "^(PASSED|FAILED|ERROR)|(passed|failed)( |,)"
+! grep -qv ": exit 0 after" <<< "$summary"   # the script's exit status: 0 when every suite's was

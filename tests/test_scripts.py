@@ -238,9 +238,11 @@ def test_gpu_checks_name_every_suite_they_run():
 
 STANDIN_NVIDIA_SMI = "#!/usr/bin/env bash\n[ \"$1\" = -L ] && echo 'GPU 0: stand-in' || echo 'stand-in, 1 MiB, 0'\n"
 STANDIN_PYTHON = r'''#!/usr/bin/env bash
-# stand-in python: a pytest run passes at once, except the graph suite's, which waits for $STANDIN/release
+# stand-in python: a pytest run passes at once, except the graph suite's, which waits for $STANDIN/release,
+# and the ops_w1 suite's, which fails where $STANDIN/fail exists
 [ "$1" = -m ] || { echo "stand-in $1"; exit 0; }
 echo "case of $*" >> "$KCP_EVIDENCE_DIR/cases.txt"
+if [[ "$*" == *fla_matches* && -e "$STANDIN/fail" ]]; then echo "FAILED stand-in"; echo "1 failed in 0.01s"; exit 1; fi
 if [[ "$*" == *replays* ]]; then
   for _ in $(seq 600); do [ -e "$STANDIN/release" ] && break; sleep 0.1; done
 fi
@@ -280,6 +282,21 @@ def test_gpu_checks_pack_their_evidence(tmp_path):
     assert "ops_w1: exit 0" in files["summary.txt"] and "graph: exit 0" in files["summary.txt"]
     assert not any(f.endswith(".running") for f in files)
     assert sorted(p.name for p in out.iterdir()) == ["evidence.tar.gz", "tcache-fast.tar.xz", "tcache.tar.xz"]
+
+
+@pytest.mark.parametrize("suites,fail,status", [("ops_w1 graph", True, 1), ("memory", False, 0)])
+def test_gpu_checks_exit_with_the_suites_status(suites, fail, status, tmp_path):
+    """The script's exit status is the suites': 1 when one failed though the others passed, 0 when the
+    memory report ran alone and passed (every suite passing: test_gpu_checks_pack_their_evidence)."""
+    cmd, repo, env, out = _gpu_checks(tmp_path)
+    (tmp_path / "release").touch()
+    if fail:
+        (tmp_path / "fail").touch()
+    env.update(KCP_CHECK_SUITES=suites, KCP_SKIP_MEMORY="" if suites == "memory" else "1")
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, (done.stdout, done.stderr)
+    summary = _evidence(out)["summary.txt"]
+    assert all(f"{s}: exit {1 if fail and s == 'ops_w1' else 0}" in summary for s in suites.split()), summary
 
 
 def test_gpu_checks_cut_short_keep_what_ran(tmp_path):
