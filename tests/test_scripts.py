@@ -261,7 +261,8 @@ def _gpu_checks(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_")}
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), STANDIN=str(tmp_path),
-               KCP_CHECK_SUITES="ops_w1 graph", KCP_SKIP_MEMORY="1")
+               KCP_CHECK_SUITES="ops_w1 graph", KCP_SKIP_MEMORY="1",
+               KCP_CACHE_ROOT=str(tmp_path / "cache"))     # not the machine's caches in /tmp
     return ["bash", "scripts/device_gpu_checks.sh"], repo, env, out
 
 
