@@ -19,24 +19,41 @@ name=tcache${KCP_FAST_AUTOTUNE:+-fast}
 cache_root=${KCP_CACHE_ROOT:-/tmp}
 export TRITON_CACHE_DIR=$cache_root/$name/triton TILELANG_CACHE_DIR=$cache_root/tcache/tilelang
 mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
-seed_cache() {   # name: unpack its saved archive (scripts started side by side unpack once: the lock)
+seed_of() {   # name: its saved archive, where the checkout has one
   local seed=.tcache/$1.tar.xz
   [ -f "$seed" ] || seed=scripts/tuning/$1-h200.tar.xz
-  [ -f "$seed" ] && flock "$cache_root/$1.lock" tar --skip-old-files -xJf "$seed" -C "$cache_root/$1"
+  [ -f "$seed" ] && echo "$seed"
+}
+seed_cache() {   # name: unpack its saved archive (scripts started side by side unpack once: the lock)
+  local seed
+  seed=$(seed_of "$1") && flock "$cache_root/$1.lock" tar --skip-old-files -xJf "$seed" -C "$cache_root/$1"
 }
 seed_cache "$name"
 [ "$name" = tcache ] || { mkdir -p "$cache_root/tcache"; seed_cache tcache; }
+cache_stamp=$(mktemp)   # what this run adds to the caches is newer (unpacked files keep the archive's times)
 mkdir -p "$cache_root/kcp-site"
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from megatron_kcp.testing.fast_autotune import enable\n    enable()\n' \
   > "$cache_root/kcp-site/sitecustomize.py"
 export PYTHONPATH="$cache_root/kcp-site:$PWD:${PYTHONPATH:-}"
 
+cache_files() {   # find's tests...: the full cache's files that save_cache packs (and pass them), sorted
+  (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' "$@"; find tilelang -type f "$@"; } 2> /dev/null | sort)
+}
 save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and tilelang's kernels; with
                  # KCP_FAST_AUTOTUNE also $OUT/tcache-fast.tar.xz, the trimmed results
   [ "$name" = tcache ] || (cd "$cache_root/tcache-fast" && find triton -name '*.autotune.json' | tar -cJf "$OUT/tcache-fast.tar.xz" -T -)
-  (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' 2>/dev/null; echo tilelang; } | tar -cJf "$OUT/tcache.tar.xz" -T -)
+  local seed
+  # the run added nothing to the seed (no file newer, the same files): the seed is the archive, and xz
+  # spends no 10-15 s packing tilelang's kernels again
+  if seed=$(seed_of tcache) && [ -z "$(cache_files -newer "$cache_stamp")" ] &&
+      [ "$(cache_files)" = "$(tar -tJf "$seed" | grep -v '/$' | sort)" ]; then
+    cp "$seed" "$OUT/tcache.tar.xz"
+  else
+    (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' 2>/dev/null; echo tilelang; } | tar -cJf "$OUT/tcache.tar.xz" -T -)
+  fi
   if [ "$(stat -c %s "$OUT/tcache.tar.xz")" -gt 15000000 ]; then
     echo "save_cache: over 15 MB with tilelang's kernels; $OUT/tcache.tar.xz keeps the autotune results only" >&2
     (cd "$cache_root/tcache" && find triton -name '*.autotune.json' 2>/dev/null | tar -cJf "$OUT/tcache.tar.xz" -T -)
   fi
+  rm -f "$cache_stamp"
 }

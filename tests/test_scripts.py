@@ -323,3 +323,30 @@ def test_gpu_checks_cut_short_keep_what_ran(tmp_path):
     assert "graph: cut short after" in files["summary.txt"], files["summary.txt"]
     assert "graph.log" in files and "ops_w1.log" in files
     assert [p.name for p in out.iterdir()] == ["evidence.tar.gz"]
+
+
+def test_device_cache_saves_the_seed_where_a_run_added_nothing(tmp_path):
+    """scripts/device_cache.sh's save_cache: the seed archive itself where the run added no file (no
+    second xz pass over tilelang's kernels), a fresh archive with the new file where it added one."""
+    import tarfile
+    seed_dir, repo = tmp_path / "seed", tmp_path / "repo"
+    for f in ("triton/ab/k.autotune.json", "triton/ab/k.cubin", "tilelang/k1/kernel.so"):
+        (seed_dir / f).parent.mkdir(parents=True, exist_ok=True)
+        (seed_dir / f).write_text(f)
+    (repo / ".tcache").mkdir(parents=True)
+    subprocess.run(["tar", "-cJf", str(repo / ".tcache" / "tcache.tar.xz"), "triton/ab/k.autotune.json", "tilelang"],
+                   cwd=seed_dir, check=True, env={**os.environ, "XZ_OPT": "-0"})   # not save_cache's xz's bytes
+    shutil.copy(ROOT / "scripts" / "device_cache.sh", repo / "device_cache.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_")}
+    env.update(KCP_CACHE_ROOT=str(tmp_path / "cache"))
+
+    def run(out, add=""):
+        subprocess.run(["bash", "-c", f"source device_cache.sh && {add} save_cache"], cwd=repo, check=True,
+                       env={**env, "OUT": str(out)}, timeout=60)
+        with tarfile.open(out / "tcache.tar.xz") as t:
+            return sorted(m.name for m in t.getmembers() if m.isfile())
+    assert run(tmp_path / "out1") == ["tilelang/k1/kernel.so", "triton/ab/k.autotune.json"]
+    assert (tmp_path / "out1" / "tcache.tar.xz").read_bytes() == (repo / ".tcache" / "tcache.tar.xz").read_bytes()
+    new = 'mkdir -p "$TILELANG_CACHE_DIR/k2" && echo k2 > "$TILELANG_CACHE_DIR/k2/kernel.so" &&'
+    assert run(tmp_path / "out2", new) == ["tilelang/k1/kernel.so", "tilelang/k2/kernel.so",
+                                           "triton/ab/k.autotune.json"]
