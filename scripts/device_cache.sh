@@ -30,14 +30,15 @@ seed_cache() {   # name: unpack its saved archive (scripts started side by side 
 }
 seed_cache "$name"
 [ "$name" = tcache ] || { mkdir -p "$cache_root/tcache"; seed_cache tcache; }
-cache_stamp=$(mktemp)   # what this run adds to the caches is newer (unpacked files keep the archive's times)
+cache_since=$(date +%s.%N)   # what this run adds to the caches is newer (unpacked files keep the archive's times)
 mkdir -p "$cache_root/kcp-site"
 printf 'import os\nif os.environ.get("KCP_FAST_AUTOTUNE"):\n    from megatron_kcp.testing.fast_autotune import enable\n    enable()\n' \
   > "$cache_root/kcp-site/sitecustomize.py"
 export PYTHONPATH="$cache_root/kcp-site:$PWD:${PYTHONPATH:-}"
 
 cache_files() {   # find's tests...: the full cache's files that save_cache packs (and pass them), sorted
-  (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' "$@"; find tilelang -type f "$@"; } 2> /dev/null | sort)
+  (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' "$@"; find tilelang -type f "$@"; } 2> /dev/null |
+   sort)
 }
 save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and tilelang's kernels; with
                  # KCP_FAST_AUTOTUNE also $OUT/tcache-fast.tar.xz, the trimmed results
@@ -45,7 +46,7 @@ save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and til
   local seed
   # the run added nothing to the seed (no file newer, the same files): the seed is the archive, and xz
   # spends no 10-15 s packing tilelang's kernels again
-  if seed=$(seed_of tcache) && [ -z "$(cache_files -newer "$cache_stamp")" ] &&
+  if seed=$(seed_of tcache) && [ -z "$(cache_files -newermt "@$cache_since")" ] &&
       [ "$(cache_files)" = "$(tar -tJf "$seed" | grep -v '/$' | sort)" ]; then
     cp "$seed" "$OUT/tcache.tar.xz"
   else
@@ -55,5 +56,4 @@ save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and til
     echo "save_cache: over 15 MB with tilelang's kernels; $OUT/tcache.tar.xz keeps the autotune results only" >&2
     (cd "$cache_root/tcache" && find triton -name '*.autotune.json' 2>/dev/null | tar -cJf "$OUT/tcache.tar.xz" -T -)
   fi
-  rm -f "$cache_stamp"
 }
