@@ -10,10 +10,9 @@ the final state, ``output`` runs the fused forward from the initial states (its 
 gradient, and ``backward_rest`` runs the fused backward from the final-state gradients. Every pass
 keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges them in bf16: the
 step does not use it; ``single_device``, the call on a whole stream of head shards, is that call).
-flash-qla has no transition-map kernel: ``maps`` runs its state pass twice, from
-zero states with the values (H) and from identity states without them (M); the backward's ``M^T``
-is the forward's. That is what a plan with ``max_segment`` needs at few heads
-(``dispatch.qla_max_segment``).
+``maps`` runs one state pass from zero states in the kernel's CP mode, which computes the transition
+M beside the final state H in the same scan (:func:`_maps_pass`); the backward's ``M^T`` is the
+forward's. That is what a plan with ``max_segment`` needs at few heads (``dispatch.qla_max_segment``).
 
 A pass runs once over the range from the first to the last segment that needs it (every segment
 in between computed and dropped): one launch, never a gather of tokens. On contiguous and zigzag
@@ -27,6 +26,7 @@ final-state gradients stay whole in ``Backward.dht``), so nothing is copied back
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -50,10 +50,44 @@ def _kernels():
     if C.CHUNK_SIZE != 64:
         raise RuntimeError(f"flash-qla runs chunks of {C.CHUNK_SIZE} on this GPU; the qla core needs 64: "
                            "use backend='fla'")
+    build = importlib.import_module(C.fused_gdr_h.__module__).tilelang_prepare_h    # the state pass's kernel
     return SimpleNamespace(chunk_local_cumsum=C.chunk_local_cumsum, kkt_solve=C.kkt_solve, fused_gdr_h=C.fused_gdr_h,
+                           maps_pass=functools.partial(_maps_pass, build),
                            fused_gdr_fwd=C.fused_gdr_fwd, fused_gdr_dh=C.fused_gdr_dh, fused_gdr_bwd=C.fused_gdr_bwd,
                            group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=prepare_varlen_metadata,
                            l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule)
+
+
+def _maps_pass(build, k, v, a, g, b, cu_seqlens, num_chunks):
+    """(H ``[N, HV, K, V]``, M ``[N, HV, K, K]``) fp32 of the N sequences of ``cu_seqlens``: one state
+    pass from zero states. flash-qla's state-pass kernel, in the mode its own CP runs it (a chunk count
+    per sequence and head given), computes M beside H in the same scan. That scan takes about as long
+    as two plain passes, but nothing is filled for it: no zero values, identity states or zero initial
+    states (BENCHMARKS.md, host time). Its wrapper (``fused_gdr_h`` with ``num_warmup_chunks``) stores
+    both in bf16 for flash-qla's exchange; the kernel is built here with fp32 outputs, as every state
+    the step exchanges.
+
+    Args:
+        build: flash-qla's kernel builder (``tilelang_prepare_h`` of the GPU's kernel module).
+        k, v, a, g, b: as ``fused_gdr_h`` takes them (``a``: the triangular solve's; ``g``: cumsummed, fp32).
+        cu_seqlens: int32 on the device, flash-qla's chunk metadata attached.
+        num_chunks: ``[N, HV]`` int32, each sequence's chunk count (M is computed only where the pass
+            runs every chunk).
+    """
+    from flash_qla.utils import prepare_chunk_offsets
+    _, T, Hg, K = k.shape
+    HV, V, N = v.shape[2], v.shape[3], len(cu_seqlens) - 1
+    offsets, chunks = prepare_chunk_offsets(cu_seqlens, 64)
+    # Blackwell's kernel also takes whether the last chunk is partial; Hopper's reads the lengths
+    tile = {"has_incomplete_tile": chunks * 64 != T} if "has_incomplete_tile" in build.signature.parameters else {}
+    kernel = build(HV, Hg, K, V, 64, qkva_dtype=k.dtype, g_dtype=g.dtype, b_dtype=b.dtype, h0_dtype=torch.float32,
+                   ht_dtype=torch.float32, h_dtype=k.dtype, seqlen_dtype=cu_seqlens.dtype, accum_dtype="float32",
+                   use_initial_state=False, store_final_state=True, store_h=False, is_varlen=True, is_cp=True,
+                   state_v_first=False, **tile)
+    h0, H = (k.new_empty(N, HV, K, V, dtype=torch.float32) for _ in range(2))      # h0: not read
+    M = k.new_empty(N, HV, K, K, dtype=torch.float32)
+    kernel(k, v, a, g, b, h0, cu_seqlens, offsets.to(cu_seqlens.dtype), num_chunks, k.new_empty(1, 0, HV, K, V), H, M)
+    return H, M
 
 
 @functools.lru_cache(maxsize=256)
@@ -63,6 +97,13 @@ def _cu(plan: KCPPlan, lo: int, hi: int, device: str):
     a, b = plan.token_range(lo, hi)
     cpu = torch.tensor(plan.cu_seqlens[lo:hi + 1], dtype=torch.int32) - a
     return a, b, _kernels().prepare_varlen_metadata(cpu.to(device), cpu)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunks(plan: KCPPlan, lo: int, hi: int, HV: int, device: str) -> torch.Tensor:
+    """Each segment of [lo, hi)'s chunk count, per value head: ``[hi - lo, HV]`` int32 on the device."""
+    n = torch.tensor(plan.cu_seqlens[lo:hi + 1]).diff().add(63).div(64, rounding_mode="floor")
+    return n.to(torch.int32)[:, None].expand(-1, HV).contiguous().to(device)
 
 
 def _cover(segs) -> tuple[int, int] | None:
@@ -153,17 +194,11 @@ class GDNQLACore:
         return o
 
     def maps(self, P, segs):
-        """[H | M] fp32 of ``segs`` from two of flash-qla's state passes over the range that covers them
-        (the recurrence is affine in (S, v)): H from zero states with the values, M from identity
-        states without them."""
+        """[H | M] fp32 of ``segs`` from one of flash-qla's state passes over the range that covers them
+        (:func:`_maps_pass`)."""
         lo, hi = _cover(segs)
         (_, k, v, A, g, beta), cu = self._range(P, lo, hi)
-        n, HV, K = hi - lo, v.shape[2], k.shape[3]
-        run = functools.partial(_kernels().fused_gdr_h, k=k, a=A, g=g, b=beta, output_final_state=True,
-                                output_h=False, cu_seqlens=cu)
-        _, H, _ = run(v=v, initial_state=v.new_zeros(n, HV, K, v.shape[3], dtype=torch.float32))
-        eye = torch.eye(K, device=v.device, dtype=torch.float32).expand(n, HV, K, K).contiguous()
-        _, M, _ = run(v=v.new_zeros(*v.shape[:3], K), initial_state=eye)
+        H, M = _kernels().maps_pass(k, v, A, g, beta, cu, _chunks(P.plan, lo, hi, v.shape[2], str(v.device)))
         return self._rows(torch.cat([H, M], -1), segs, lo, hi)
 
     def backward_prepare(self, P, lo, hi, h0, do) -> Backward:

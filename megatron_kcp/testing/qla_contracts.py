@@ -40,6 +40,15 @@ def fused_gdr_h(k, v, a, g, b, initial_state=None, output_final_state=True, outp
     return (initial_state.clone() if output_h else None), (ht.float() if output_final_state else None), None
 
 
+def maps_pass(k, v, a, g, b, cu_seqlens, num_chunks):
+    """(H, M): the final states from zero states, and the maps from identity states without the values."""
+    _, H, _ = fused_gdr_h(k, v, a, g, b, output_h=False, cu_seqlens=cu_seqlens)
+    n, HV, K = len(cu_seqlens) - 1, v.shape[2], k.shape[3]
+    eye = torch.eye(K, dtype=torch.float32).expand(n, HV, K, K).contiguous()
+    _, M, _ = fused_gdr_h(k, v.new_zeros(*v.shape[:3], K), a, g, b, eye, output_h=False, cu_seqlens=cu_seqlens)
+    return H, M
+
+
 def fused_gdr_fwd(q, k, v, a, g, b, scale=None, initial_state=None, output_final_state=True, output_h=False,
                   cu_seqlens=None):
     o, ht = _run(q, k, v, g, b, scale, _states(k, v, cu_seqlens, initial_state), cu_seqlens)
@@ -90,7 +99,8 @@ def kernels() -> SimpleNamespace:
     return SimpleNamespace(
         chunk_local_cumsum=lambda g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False: g.clone(),
         kkt_solve=lambda k, b, chunk_size=64, cu_seqlens=None: k.new_zeros(*b.shape, chunk_size),
-        fused_gdr_h=fused_gdr_h, fused_gdr_fwd=fused_gdr_fwd, fused_gdr_dh=fused_gdr_dh, fused_gdr_bwd=fused_gdr_bwd,
+        fused_gdr_h=fused_gdr_h, maps_pass=maps_pass, fused_gdr_fwd=fused_gdr_fwd, fused_gdr_dh=fused_gdr_dh,
+        fused_gdr_bwd=fused_gdr_bwd,
         group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=lambda cu, cu_cpu: cu, l2norm_fwd=l2norm_fwd,
         l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule)
 

@@ -45,6 +45,9 @@ pytestmark = pytest.mark.gpu
 # and only fp32 and the output carry the conv's negative control.
 CONV_TOL = 1e-3
 CONV_DX_BF16_TOL = 4e-3
+# H of a map is a state after thousands of long-memory tokens of bf16 passes: 1.2e-2 (flash-qla) and 1.5e-2
+# (fla's CP pre-process) on H200, where M, from the identity without values, is 9e-4 for both
+MAP_H_TOL = 3e-2
 VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)    # benchmarks' ten documents
 
 
@@ -260,6 +263,34 @@ def test_split_segments_match_reference(backend, cut):
     print(f"{backend} cut {cut} vs reference GDN cu={cu}: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()),
           flush=True)
     assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("backend", ["qla", "fla"])
+def test_maps_match_reference(backend):
+    """A core's maps ``[H | M]`` (flash-qla's: M beside H in one state pass; fla's: its CP pre-process)
+    against the fp64 reference core's, GDN bf16, on long-memory segments shorter than a chunk, chunk-
+    aligned, ragged and thousands of tokens long. There M stays far from the identity (a pass that left
+    it so misses by at least 10x the bound), and the all-gather's fold carries it to every later part."""
+    gen = torch.Generator().manual_seed(6)
+    cu = (0, 40, 104, 168, 1000, 3000, 3100, 7000)
+    xs = long_memory_inputs(gen, cu, H, HV, K, V, False, dtype=torch.bfloat16, device="cuda")[:5]
+    if backend == "qla":
+        try:
+            check_qla(xs[0].device, xs[0].dtype, False, (K, V))
+        except RuntimeError as e:
+            pytest.skip(str(e))
+    plan = build_plan(cu, "contiguous", 1, 0, KS)
+    segs = list(range(plan.num_segments))
+    maps = {}
+    for b in (backend, "reference"):
+        core = dispatch.build_core(b, xs[0], xs[2], xs[3])
+        maps[b] = core.maps(core.prepare(*xs, plan, K ** -0.5, True), segs)
+    got, want = maps[backend], maps["reference"]
+    errs = {"H": rel_err(got[..., :V], want[..., :V]), "M": rel_err(got[..., V:], want[..., V:]),
+            "M=I": rel_err(torch.eye(K, device="cuda").expand_as(want[..., V:]), want[..., V:])}
+    print(f"{backend} maps vs reference: " + " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
+    assert errs["H"] <= MAP_H_TOL and errs["M"] <= TOL[torch.bfloat16], errs
+    assert errs["M=I"] >= 10 * MAP_H_TOL, errs
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["GDN", "KDA"])
