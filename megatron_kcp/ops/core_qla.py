@@ -50,15 +50,14 @@ def _kernels():
     if C.CHUNK_SIZE != 64:
         raise RuntimeError(f"flash-qla runs chunks of {C.CHUNK_SIZE} on this GPU; the qla core needs 64: "
                            "use backend='fla'")
-    build = importlib.import_module(C.fused_gdr_h.__module__).tilelang_prepare_h    # the state pass's kernel
     return SimpleNamespace(chunk_local_cumsum=C.chunk_local_cumsum, kkt_solve=C.kkt_solve, fused_gdr_h=C.fused_gdr_h,
-                           maps_pass=functools.partial(_maps_pass, build),
+                           maps_pass=_maps_pass,
                            fused_gdr_fwd=C.fused_gdr_fwd, fused_gdr_dh=C.fused_gdr_dh, fused_gdr_bwd=C.fused_gdr_bwd,
                            group_reduce_vector=group_reduce_vector, prepare_varlen_metadata=prepare_varlen_metadata,
                            l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule)
 
 
-def _maps_pass(build, k, v, a, g, b, cu_seqlens, num_chunks):
+def _maps_pass(k, v, a, g, b, cu_seqlens, num_chunks):
     """(H ``[N, HV, K, V]``, M ``[N, HV, K, K]``) fp32 of the N sequences of ``cu_seqlens``: one state
     pass from zero states. flash-qla's state-pass kernel, in the mode its own CP runs it (a chunk count
     per sequence and head given), computes M beside H in the same scan. That scan takes about as long
@@ -68,7 +67,6 @@ def _maps_pass(build, k, v, a, g, b, cu_seqlens, num_chunks):
     the step exchanges.
 
     Args:
-        build: flash-qla's kernel builder (``tilelang_prepare_h`` of the GPU's kernel module).
         k, v, a, g, b: as ``fused_gdr_h`` takes them (``a``: the triangular solve's; ``g``: cumsummed, fp32).
         cu_seqlens: int32 on the device, flash-qla's chunk metadata attached.
         num_chunks: ``[N, HV]`` int32, each sequence's chunk count (M is computed only where the pass
@@ -78,16 +76,26 @@ def _maps_pass(build, k, v, a, g, b, cu_seqlens, num_chunks):
     _, T, Hg, K = k.shape
     HV, V, N = v.shape[2], v.shape[3], len(cu_seqlens) - 1
     offsets, chunks = prepare_chunk_offsets(cu_seqlens, 64)
-    # Blackwell's kernel also takes whether the last chunk is partial; Hopper's reads the lengths
-    tile = {"has_incomplete_tile": chunks * 64 != T} if "has_incomplete_tile" in build.signature.parameters else {}
-    kernel = build(HV, Hg, K, V, 64, qkva_dtype=k.dtype, g_dtype=g.dtype, b_dtype=b.dtype, h0_dtype=torch.float32,
-                   ht_dtype=torch.float32, h_dtype=k.dtype, seqlen_dtype=cu_seqlens.dtype, accum_dtype="float32",
-                   use_initial_state=False, store_final_state=True, store_h=False, is_varlen=True, is_cp=True,
-                   state_v_first=False, **tile)
+    kernel = _maps_kernel(HV, Hg, K, V, k.dtype, g.dtype, b.dtype, cu_seqlens.dtype, chunks * 64 != T)
     h0, H = (k.new_empty(N, HV, K, V, dtype=torch.float32) for _ in range(2))      # h0: not read
     M = k.new_empty(N, HV, K, K, dtype=torch.float32)
     kernel(k, v, a, g, b, h0, cu_seqlens, offsets.to(cu_seqlens.dtype), num_chunks, k.new_empty(1, 0, HV, K, V), H, M)
     return H, M
+
+
+@functools.lru_cache(maxsize=64)
+def _maps_kernel(HV, Hg, K, V, qkva_dtype, g_dtype, b_dtype, seqlen_dtype, partial_tile: bool):
+    """:func:`_maps_pass`'s kernel, built once per shape by flash-qla's builder of the state pass
+    (``tilelang_prepare_h`` of the GPU's kernel module): tilelang's lookup of a built kernel parses its
+    arguments on every call. Blackwell's builder also takes whether the last chunk is partial; Hopper's
+    kernel reads the lengths."""
+    from flash_qla.ops.gated_delta_rule import chunk as C
+    build = importlib.import_module(C.fused_gdr_h.__module__).tilelang_prepare_h
+    tile = {"has_incomplete_tile": partial_tile} if "has_incomplete_tile" in build.signature.parameters else {}
+    return build(HV, Hg, K, V, 64, qkva_dtype=qkva_dtype, g_dtype=g_dtype, b_dtype=b_dtype, h0_dtype=torch.float32,
+                 ht_dtype=torch.float32, h_dtype=qkva_dtype, seqlen_dtype=seqlen_dtype, accum_dtype="float32",
+                 use_initial_state=False, store_final_state=True, store_h=False, is_varlen=True, is_cp=True,
+                 state_v_first=False, **tile)
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,10 +159,13 @@ class GDNQLACore:
         return Prepared((q, k, v, gc, beta, qr, kr, A), plan, scale, use_qk_l2norm, live=live)
 
     def _range(self, P, lo, hi):
-        """(q, k, v, A, g, beta) on the tokens of segments [lo, hi), and the range's cu_seqlens."""
+        """(q, k, v, A, g, beta) on the tokens of segments [lo, hi), and the range's cu_seqlens: the
+        saved tensors themselves where the range is the whole stream, as the output's and the
+        backward's are (six slices cost the host about 20 us a call)."""
         q, k, v, g, beta, _, _, A = P.saved
         a, b, cu = _cu(P.plan, lo, hi, str(q.device))
-        return [x[:, a:b] for x in (q, k, v, A, g, beta)], cu
+        xs = (q, k, v, A, g, beta)
+        return (list(xs) if b - a == q.shape[1] else [x[:, a:b] for x in xs]), cu
 
     def states(self, P: Prepared, h0) -> States:
         return States(h0)           # the fused forward runs each segment from its initial state
