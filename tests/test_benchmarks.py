@@ -432,14 +432,21 @@ def test_perdoc_measured_reads_a_pack_one_gpu_cannot_hold_against_fla_cp(tmp_pat
 
 
 def test_host_time_smoke_writes_every_rank(tmp_path):
-    """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU)."""
+    """host_time.py --smoke: one row per rank with the step and host times (no kernels or graph on the CPU),
+    and with --cprofile each rank's costliest host functions in us."""
     path = tmp_path / "host.csv"
     run = subprocess.run([sys.executable, str(BENCH / "host_time.py"), "--smoke", "--shapes", "qwen3-next",
-                          "--cp", "2", "--csv", str(path)], capture_output=True, text=True, timeout=600)
+                          "--cp", "2", "--cprofile", "3", "--csv", str(path)], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = list(csv.DictReader(path.open()))
     assert [r["rank"] for r in rows] == ["0", "1"], rows
     assert all(float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0 for r in rows), rows
+    profiles = [p.split("\n") for p in run.stdout.split("== qwen3-next T=")[1:]]
+    assert len(profiles) == 2, run.stdout[-2000:]
+    for lines in profiles:
+        top = lines[lines.index("-- by time inside") + 2].split()      # the step itself: its own us, then inside
+        assert lines[1].endswith("(profiled: the host is slower than unprofiled)") and int(top[2]) > 1000, lines
 
 
 def test_host_time_peer_refuses_the_cpu_smoke():
