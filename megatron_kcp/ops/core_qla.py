@@ -161,7 +161,7 @@ class GDNQLACore:
     def _range(self, P, lo, hi):
         """(q, k, v, A, g, beta) on the tokens of segments [lo, hi), and the range's cu_seqlens: the
         saved tensors themselves where the range is the whole stream, as the output's and the
-        backward's are (six slices cost the host about 20 us a call)."""
+        backward's are (six slices a call are host time on a step that can be host-bound)."""
         q, k, v, g, beta, _, _, A = P.saved
         a, b, cu = _cu(P.plan, lo, hi, str(q.device))
         xs = (q, k, v, A, g, beta)
