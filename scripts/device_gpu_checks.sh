@@ -26,8 +26,8 @@
 # 2 when the input is refused before anything runs.
 set -uo pipefail
 SUITES="layout_w4_block_gdn layout_w4_block_kda layout_w4_mixers train_gdn train_kda ops_w2 ops_w4 layout_mixers
-  layout_block_gdn layout_block_kda ops_pieces ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla layers_w4
-  layers_w2 layers_slow nccl graph ops_w1 memory"
+  layout_block_gdn layout_block_kda ops_pieces ops_conv ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla
+  layers_w4 layers_w2 layers_slow nccl graph ops_w1 memory"
 for s in ${KCP_CHECK_SUITES:-}; do
   [[ " ${SUITES//$'\n'/ } " == *" $s "* ]] || {
     echo "KCP_CHECK_SUITES has $s: name suites from: $(echo $SUITES), separated by spaces" >&2; exit 2; }
@@ -107,7 +107,8 @@ KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
 pool ops_poison_w4 tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
 KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
   pool ops_poison_w4_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
-pool ops_pieces tests/ops/test_kcp_cuda.py -k "qla_matches or single_device_call or conv_ or split_segments or maps_match or head_groups"
+pool ops_pieces tests/ops/test_kcp_cuda.py -k "qla_matches or single_device_call or split_segments or maps_match or head_groups"
+pool ops_conv tests/ops/test_kcp_cuda.py -k conv_     # the conv's halo on every layout and both kernels: long
 pool layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True"
 pool layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False or 2-2-True"
 pool layers_slow tests/layers/test_attention.py tests/layers/test_layers_cuda.py -k "varlen or long_pieces"
