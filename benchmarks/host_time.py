@@ -198,7 +198,7 @@ def host_profile(step, rows: int) -> str:
     prof.enable()
     step()
     prof.disable()
-    stats = pstats.Stats(prof).stats        # (file, line, name): (calls, primitive calls, own s, inside s, callers)
+    stats = pstats.Stats(prof).stats        # (file, line, name): (primitive calls, calls, own s, inside s, callers)
     total = sum(v[2] for v in stats.values())
     lines = [f"{len(stats)} functions, {1e6 * total:.0f} us in all (profiled: the host is slower than unprofiled)"]
     for key, col in (("own", 2), ("inside", 3)):
