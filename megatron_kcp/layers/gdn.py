@@ -20,16 +20,24 @@ from megatron_kcp.ops import kcp
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
 
 
-def split_heads(qkv: torch.Tensor, sizes: list[int], head_dims: list[int]) -> tuple[torch.Tensor, ...]:
-    """q, k, v of the conv's output ``[1, T, x]`` as ``[1, T, heads, dim]`` (views)."""
-    return tuple(x.reshape(*x.shape[:2], -1, d) for x, d in zip(torch.split(qkv, sizes, dim=-1), head_dims))
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm over the head dim: fp32 math, ``x``'s dtype out."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def split_heads(qkv: torch.Tensor, sizes: list[int], head_dims: list[int], qk_l2norm: bool):
+    """q, k, v of the conv's output ``[1, T, x]`` as ``[1, T, heads, dim]``, q and k l2-normalised where
+    ``qk_l2norm`` (as megatron-core's GatedDeltaNet does before its kernel call); v a view."""
+    q, k, v = (x.reshape(*x.shape[:2], -1, d) for x, d in zip(torch.split(qkv, sizes, dim=-1), head_dims))
+    return (l2norm(q), l2norm(k), v) if qk_l2norm else (q, k, v)
 
 
 @jit_fuser
-def split_heads_contiguous(qkv: torch.Tensor, sizes: list[int], head_dims: list[int]) -> tuple[torch.Tensor, ...]:
-    """``split_heads`` made contiguous, as the kernels take them, in one fused kernel (its backward one
-    more) instead of three strided copies and a concatenation, as megatron-core does."""
-    return tuple(x.contiguous() for x in split_heads(qkv, sizes, head_dims))
+def split_heads_contiguous(qkv: torch.Tensor, sizes: list[int], head_dims: list[int], qk_l2norm: bool):
+    """``split_heads`` made contiguous, as the kernels take them, in one fused kernel with the norms (its
+    backward one more) instead of three strided copies, a concatenation and the norms' own launches."""
+    return tuple(x.contiguous() for x in split_heads(qkv, sizes, head_dims, qk_l2norm))
 
 
 class KCPGatedDeltaNet(GatedDeltaNet):
@@ -75,13 +83,13 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         gate = gate.reshape(1, b * s, -1, self.value_head_dim)
         qkv = kcp.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
                                 self.activation, plan=plan, group=self.kcp_group)
-        # on GPUs torch.compile fusions: q/k/v made contiguous, the parent's decay and gated norm (one kernel
-        # each, not ~8 eager ones over [T, H, 128] fp32); on the CPU the same math eagerly (inductor needs a
-        # compiler)
+        # on GPUs torch.compile fusions: q/k/v made contiguous with q's and k's norms, the parent's decay and
+        # gated norm (one kernel each, not ~8 eager ones over [T, H, 128] fp32); on the CPU the same math
+        # eagerly (inductor needs a compiler)
         fused = qkvzba.is_cuda
         sizes = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
         dims = [self.key_head_dim, self.key_head_dim, self.value_head_dim]
-        q, k, v = (split_heads_contiguous if fused else split_heads)(qkv, sizes, dims)
+        q, k, v = (split_heads_contiguous if fused else split_heads)(qkv, sizes, dims, self.use_qk_l2norm)
         if fused:
             g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
         else:
@@ -89,7 +97,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
             beta = beta.sigmoid()
         announce(self, plan, q, v, g, packed_seq_params, self.tp_size)
         # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
-        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group, use_qk_l2norm=self.use_qk_l2norm)
+        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group)      # q and k normalised above
         if fused:
             o = self._apply_gated_norm(o, gate)
         else:
