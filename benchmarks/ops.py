@@ -22,21 +22,22 @@ from benchmarks.timing import Bench
 
 
 def chunk_kernel(model: str, device: torch.device):
-    """o = run(q, k, v, g, beta, cu, cu_cpu, cp_context=None): fla's chunk kernel on CUDA, the
-    pure-torch chunked reference on CPU (no CP context there)."""
+    """o = run(q, k, v, g, beta, cu, cu_cpu, cp_context=None, use_qk_l2norm=True): fla's chunk kernel on
+    CUDA, the pure-torch chunked reference on CPU (no CP context there)."""
     if device.type == "cpu":
         from megatron_kcp.ops import reference
 
-        def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None):
-            return reference.chunk_gated_delta_rule_fp64(q, k, v, g, beta, use_qk_l2norm=True, cu_seqlens=cu_cpu)[0]
+        def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None, use_qk_l2norm=True):
+            return reference.chunk_gated_delta_rule_fp64(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm,
+                                                         cu_seqlens=cu_cpu)[0]
         return run
     if model == "KDA":
         from fla.ops.kda import chunk_kda as fn
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
 
-    def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None):
-        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+    def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None, use_qk_l2norm=True):
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                   cp_context=cp_context)[0]
     return run
 

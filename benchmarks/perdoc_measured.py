@@ -121,18 +121,19 @@ def fla_cp_rule(model: str, device, smoke: bool):
     if smoke:
         ours = kcp.gated_delta_rule         # taken before the mixers' calls are patched to this rule
 
-        def rule(q, k, v, g, beta, plan, group=None, **kw):
+        def rule(q, k, v, g, beta, plan, group=None, use_qk_l2norm=False, **kw):
             assert plan.layout == "contiguous", plan.layout
-            return ours(q, k, v, g, beta, plan, group, use_qk_l2norm=True, backend="reference")
+            return ours(q, k, v, g, beta, plan, group, use_qk_l2norm=use_qk_l2norm, backend="reference")
         return rule
     from benchmarks.ops import chunk_kernel
     from megatron_kcp.parallel.fla_cp import context
     kernel = chunk_kernel(model, device)
 
-    def rule(q, k, v, g, beta, plan, group=None, **kw):
+    def rule(q, k, v, g, beta, plan, group=None, use_qk_l2norm=False, **kw):
         if plan.layout != "contiguous":
             raise ValueError(f"fla's CP call runs the contiguous layout, got {plan.layout}")
-        return kernel(q, k, v, g, beta, cp_context=context(plan, group, torch.device(device)))
+        return kernel(q, k, v, g, beta, cp_context=context(plan, group, torch.device(device)),
+                      use_qk_l2norm=use_qk_l2norm)
     return rule
 
 
@@ -315,7 +316,8 @@ def ops_level(c: Case, args):
         "mlm-chunkwise": lambda: run("mlm-chunkwise", mlm_op(c, s.model, args.smoke), "zigzag_per_doc", b.W,
                                      "fla CP, the op's inputs converted"),
         "fla-cp": lambda: run("fla-cp", functools.partial(fla_cp_rule(s.model, b.device, args.smoke),
-                                                          plan=c.plans["contiguous"], group=dist.group.WORLD),
+                                                          plan=c.plans["contiguous"], group=dist.group.WORLD,
+                                                          use_qk_l2norm=True),
                               "contiguous", b.W, "fla CP, contiguous input"),
         "kcp-noconvert": lambda: run("kcp-noconvert", functools.partial(ours, zpd), "zigzag_per_doc", b.W, pick_note),
         "kcp-unpipelined": lambda: run("kcp-unpipelined", functools.partial(ours, zpd), "zigzag_per_doc", b.W,
@@ -371,7 +373,7 @@ def gathered_reference(c: Case, rule, pick, xs, do):
     rows' ``err`` then reads against fla's CP). One result is whole at a time, in host memory."""
     W, plan = c.b.W, c.plans["contiguous"]
     leaves = fresh_leaves(pick(x) for x in xs)
-    o = rule(*leaves, plan=plan, group=dist.group.WORLD)
+    o = rule(*leaves, plan=plan, group=dist.group.WORLD, use_qk_l2norm=True)
     local = [o.detach(), *torch.autograd.grad(o, leaves, pick(do).contiguous())]
     del o, leaves
     where = [local_token_index(build_plan(c.cu, "contiguous", W, r, CONV)) for r in range(W)]
@@ -400,7 +402,7 @@ def mlm_op(c: Case, model: str, smoke: bool):
 
     def step(*x):
         x = [t[None] for t in relayout([t[0] for t in x], cu, "zigzag_per_doc", "contiguous", group)]
-        o = rule(*x, plan=c.plans["contiguous"], group=group)
+        o = rule(*x, plan=c.plans["contiguous"], group=group, use_qk_l2norm=True)
         return relayout([o[0]], cu, "contiguous", "zigzag_per_doc", group)[0][None]
     return step
 
