@@ -314,10 +314,15 @@ def module(s: Shape, what: str, dtype, dev, cp: int = 1, pg=None, layer_spec=Non
 def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev, args) -> float:
     """Seconds (fwd+bwd) of the mixer (``what`` = mixer) or the 4-layer hybrid block (block) at CP=1 on
     ``tokens`` tokens with every gated delta rule and the attention core stubbed: the work that scales
-    with a rank's tokens whatever the CP scheme."""
+    with a rank's tokens whatever the CP scheme. The GDN mixers' q/k norms are left to the core's step,
+    timed with the op's norms as every row's core is (megatron-core's mixer runs them as calls of their
+    own; ours fuses them into its split, which these rows therefore count at the peers' cost)."""
     from megatron_kcp.layers.attention import CPDotProductAttention
     from megatron_kcp.ops import kcp
     mod = module(s, what, dtype, dev)
+    for m in mod.modules():
+        if hasattr(m, "use_qk_l2norm"):
+            m.use_qk_l2norm = False
     x = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype, requires_grad=True)
     dy = torch.randn(tokens, 1, s.hidden, device=dev, dtype=dtype)
 
