@@ -1,6 +1,8 @@
 """Mixer level without CP, one GPU: megatron-core's ``GatedDeltaNet`` beside ``KCPGatedDeltaNet``
 (same config and weights, Megatron's local layers, bf16, fwd+bwd), medians after warm-up, and with
-``--profile`` torch.profiler's kernel table of each.
+``--profile`` torch.profiler's kernel table of each. ``host_ms``: the host's time to issue the step,
+from a synchronised start until the backward returns (as ``host_time.py`` times it); ``launches``: the
+GPU kernels of one step.
 
 Needs one CUDA GPU, fla-core 0.6.0 and megatron-core 0.19.x (flash-qla 0.1.3 optional: fla then
 hands megatron-core's GDN call to it, unless ``FLA_FLASH_QLA=0``). ``--core fla`` pins our mixer's
@@ -15,6 +17,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,8 +26,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import append_csv, free_port  # noqa: E402
+from benchmarks.timing import kernel_time  # noqa: E402
 
-COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "err")
+COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "host_ms",
+           "launches", "err")
+
+
+def launches(step) -> int:
+    """The GPU kernels of one ``step()`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return kernel_time(prof)[1]
 
 
 def main(argv=None):
@@ -77,18 +91,21 @@ def main(argv=None):
                 y = step()
             y = y.detach().float()
             ref = ref if ref is not None else y
-            times = []
+            times, host = [], []
             for _ in range(args.iters):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 a.record()
                 step()
                 b.record()
+                host.append((time.perf_counter() - t0) * 1e3)
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b))
             row = dict(gpu=torch.cuda.get_device_name(), tokens=T, heads=H, hidden=args.hidden, mixer=name,
                        core=args.core if name == "kcp" else "-", flash_qla=int(qla),
                        median_ms=round(statistics.median(times), 3), min_ms=round(min(times), 3),
+                       host_ms=round(statistics.median(host), 3), launches=launches(step),
                        err=f"{((y - ref).norm() / ref.norm()).item():.1e}")
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
