@@ -40,20 +40,28 @@ cache_files() {   # find's tests...: the full cache's files that save_cache pack
   (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' "$@"; find tilelang -type f "$@"; } 2> /dev/null |
    sort)
 }
+publish() {   # archive name: the archive into $OUT under name, whole or not at all (a copy, then a rename in
+              # $OUT): a run cut short while packing leaves no truncated archive for the next run to seed from
+  cp "$1" "$OUT/$2.part" && mv "$OUT/$2.part" "$OUT/$2" && rm -f "$1"
+}
 save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and tilelang's kernels; with
-                 # KCP_FAST_AUTOTUNE also $OUT/tcache-fast.tar.xz, the trimmed results
-  [ "$name" = tcache ] || (cd "$cache_root/tcache-fast" && find triton -name '*.autotune.json' | tar -cJf "$OUT/tcache-fast.tar.xz" -T -)
-  local seed
+                 # KCP_FAST_AUTOTUNE also $OUT/tcache-fast.tar.xz, the trimmed results (packed beside the
+                 # caches, then published)
+  local seed part=$cache_root/packing.tar.xz
+  [ "$name" = tcache ] ||
+    { (cd "$cache_root/tcache-fast" && find triton -name '*.autotune.json' | tar -cJf "$part" -T -) &&
+      publish "$part" tcache-fast.tar.xz; }
   # the run added nothing to the seed (no file newer, the same files): the seed is the archive, and xz
   # spends no 10-15 s packing tilelang's kernels again
   if seed=$(seed_of tcache) && [ -z "$(cache_files -newermt "@$cache_since")" ] &&
       [ "$(cache_files)" = "$(tar -tJf "$seed" | grep -v '/$' | sort)" ]; then
-    cp "$seed" "$OUT/tcache.tar.xz"
+    cp "$seed" "$part"
   else
-    (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' 2>/dev/null; echo tilelang; } | tar -cJf "$OUT/tcache.tar.xz" -T -)
-  fi
-  if [ "$(stat -c %s "$OUT/tcache.tar.xz")" -gt 15000000 ]; then
+    (cd "$cache_root/tcache" && { find triton -name '*.autotune.json' 2>/dev/null; echo tilelang; } | tar -cJf "$part" -T -)
+  fi || return
+  if [ "$(stat -c %s "$part")" -gt 15000000 ]; then
     echo "save_cache: over 15 MB with tilelang's kernels; $OUT/tcache.tar.xz keeps the autotune results only" >&2
-    (cd "$cache_root/tcache" && find triton -name '*.autotune.json' 2>/dev/null | tar -cJf "$OUT/tcache.tar.xz" -T -)
-  fi
+    (cd "$cache_root/tcache" && find triton -name '*.autotune.json' 2>/dev/null | tar -cJf "$part" -T -)
+  fi || return
+  publish "$part" tcache.tar.xz
 }

@@ -346,7 +346,18 @@ def test_device_cache_saves_the_seed_where_a_run_added_nothing(tmp_path):
         with tarfile.open(out / "tcache.tar.xz") as t:
             return sorted(m.name for m in t.getmembers() if m.isfile())
     assert run(tmp_path / "out1") == ["tilelang/k1/kernel.so", "triton/ab/k.autotune.json"]
+    assert os.listdir(tmp_path / "out1") == ["tcache.tar.xz"]          # published whole: no part left
     assert (tmp_path / "out1" / "tcache.tar.xz").read_bytes() == (repo / ".tcache" / "tcache.tar.xz").read_bytes()
     new = 'mkdir -p "$TILELANG_CACHE_DIR/k2" && echo k2 > "$TILELANG_CACHE_DIR/k2/kernel.so" &&'
     assert run(tmp_path / "out2", new) == ["tilelang/k1/kernel.so", "tilelang/k2/kernel.so",
                                            "triton/ab/k.autotune.json"]
+    # a pack that fails (a run cut short, a full disk) publishes nothing: no truncated archive to seed from
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "tar").write_text('#!/bin/bash\n[[ " $* " == *" -cJf "* ]] && { echo partial > "$2"; exit 1; }\n'
+                              f'exec {shutil.which("tar")} "$@"\n')
+    (shim / "tar").chmod(0o755)
+    out3 = tmp_path / "out3"
+    subprocess.run(["bash", "-c", f"source device_cache.sh && {new} save_cache"], cwd=repo,
+                   env={**env, "OUT": str(out3), "PATH": f"{shim}:{os.environ['PATH']}"}, timeout=60)
+    assert os.listdir(out3) == []
