@@ -47,7 +47,7 @@ publish() {   # archive name: the archive into $OUT under name, whole or not at 
 save_cache() {   # $OUT/tcache.tar.xz: the full cache's autotune results and tilelang's kernels; with
                  # KCP_FAST_AUTOTUNE also $OUT/tcache-fast.tar.xz, the trimmed results (packed beside the
                  # caches, then published)
-  local seed part=$cache_root/packing.tar.xz
+  local seed part=$cache_root/packing.$$.tar.xz      # $$: scripts side by side pack apart
   [ "$name" = tcache ] ||
     { (cd "$cache_root/tcache-fast" && find triton -name '*.autotune.json' | tar -cJf "$part" -T -) &&
       publish "$part" tcache-fast.tar.xz; }
