@@ -16,21 +16,17 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from megatron_kcp.layers.common import announce, packed_plan
 from megatron_kcp.layers.layout import mixer_input
-from megatron_kcp.ops import kcp
+from megatron_kcp.ops import kcp, reference
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's l2norm over the head dim: fp32 math, ``x``'s dtype out."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def split_heads(qkv: torch.Tensor, sizes: list[int], head_dims: list[int], qk_l2norm: bool):
     """q, k, v of the conv's output ``[1, T, x]`` as ``[1, T, heads, dim]``, q and k l2-normalised where
     ``qk_l2norm`` (as megatron-core's GatedDeltaNet does before its kernel call); v a view."""
     q, k, v = (x.reshape(*x.shape[:2], -1, d) for x, d in zip(torch.split(qkv, sizes, dim=-1), head_dims))
-    return (l2norm(q), l2norm(k), v) if qk_l2norm else (q, k, v)
+    if not qk_l2norm:
+        return q, k, v
+    return reference.l2norm(q.float()).to(q.dtype), reference.l2norm(k.float()).to(k.dtype), v     # fp32 math
 
 
 @jit_fuser
