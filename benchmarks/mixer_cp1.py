@@ -1,5 +1,6 @@
 """Mixer level without CP, one GPU: megatron-core's ``GatedDeltaNet`` beside ``KCPGatedDeltaNet``
-(same config and weights, Megatron's local layers, bf16, fwd+bwd), medians after warm-up, and with
+(same config and weights, Megatron's local layers, bf16, fwd+bwd), or with ``--model kda``
+``KCPKimiDeltaAttention`` alone (megatron-core has no KDA mixer), medians after warm-up, and with
 ``--profile`` torch.profiler's kernel table of each. ``host_ms``: the host's time to issue the step,
 from a synchronised start until the backward returns (as ``host_time.py`` times it); ``launches``: the
 GPU kernels of one step.
@@ -9,6 +10,7 @@ hands megatron-core's GDN call to it, unless ``FLA_FLASH_QLA=0``). ``--core fla`
 core to fla's kernels (default ``auto``, what a user gets).
 
     python benchmarks/mixer_cp1.py --tokens 32768 --heads 16 --csv mixer_cp1.csv
+    python benchmarks/mixer_cp1.py --model kda --tokens 32768 --heads 32 --hidden 2304 --csv mixer_cp1.csv
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.common import append_csv, free_port  # noqa: E402
 from benchmarks.timing import kernel_time  # noqa: E402
 
-COLUMNS = ("gpu", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "host_ms",
+COLUMNS = ("gpu", "model", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "host_ms",
            "launches", "err")
 
 
@@ -43,16 +45,20 @@ def launches(step) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gdn", choices=("gdn", "kda"))
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--heads", type=int, nargs="+", default=[16])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--core", default="auto", choices=("auto", "fla", "qla"))
-    p.add_argument("--mixers", nargs="+", default=["megatron", "kcp"], choices=("megatron", "kcp"))
+    p.add_argument("--mixers", nargs="+", choices=("megatron", "kcp"), help="default: both (GDN), kcp (KDA)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--csv", help="append the rows to this CSV")
     args = p.parse_args(argv)
+    args.mixers = args.mixers or (["megatron", "kcp"] if args.model == "gdn" else ["kcp"])
+    if args.model == "kda" and "megatron" in args.mixers:
+        p.error("megatron-core has no KDA mixer: use --mixers kcp")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -75,8 +81,8 @@ def main(argv=None):
         state = ref = None
         for name in args.mixers:
             cls = GatedDeltaNet if name == "megatron" else KCPGatedDeltaNet
-            mod = build("gdn", config("gdn", shape, 1, bf16=True, params_dtype=torch.bfloat16), solo_pg(), "cuda",
-                        cls=cls).to(torch.bfloat16)
+            mod = build(args.model, config(args.model, shape, 1, bf16=True, params_dtype=torch.bfloat16), solo_pg(),
+                        "cuda", **(dict(cls=cls) if args.model == "gdn" else {})).to(torch.bfloat16)
             state = state or {k: v.clone() for k, v in mod.state_dict().items() if isinstance(v, torch.Tensor)}
             mod.load_state_dict(state, strict=False)
             leaf = x.clone().requires_grad_()
@@ -102,7 +108,8 @@ def main(argv=None):
                 host.append((time.perf_counter() - t0) * 1e3)
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b))
-            row = dict(gpu=torch.cuda.get_device_name(), tokens=T, heads=H, hidden=args.hidden, mixer=name,
+            row = dict(gpu=torch.cuda.get_device_name(), model=args.model, tokens=T, heads=H, hidden=args.hidden,
+                       mixer=name,
                        core=args.core if name == "kcp" else "-", flash_qla=int(qla),
                        median_ms=round(statistics.median(times), 3), min_ms=round(min(times), 3),
                        host_ms=round(statistics.median(host), 3), launches=launches(step),

@@ -3,7 +3,8 @@
 Parameter names and math follow fla's ``KimiDeltaAttention`` (Kimi Linear): q/k/v projections
 with short convs, a low-rank forget-gate projection ``f_proj`` with per-key-dim ``dt_bias`` and
 per-head ``A_log``, ``b_proj`` for beta, a low-rank output gate ``g_proj``, a sigmoid-gated
-RMSNorm ``o_norm`` and ``o_proj``. Heads are split over TP; the sequence stays split over CP.
+RMSNorm ``o_norm`` and ``o_proj``; on GPUs the gate and the gated norm are fla's fused kernels, as in
+fla's layer. Heads are split over TP; the sequence stays split over CP.
 ``strategy="cp2hp"`` (``cp2hp_kda_hybrid_layer_spec``) swaps KCP for megatron-core GatedDeltaNet's
 all-to-all to head shards around the kernel: the same module as its own cp2hp peer.
 """
@@ -78,8 +79,42 @@ class KDASubmodules:
     row_linear: ModuleSpec | type
 
 
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """The forget gate ``-exp(A_log) * softplus(f + dt_bias)`` in fp32: fla's fused kernel (one pass each
+    way, the parameters' gradients reduced in it) where ``fused`` (default: on GPUs), else eagerly.
+
+    Args:
+        f: ``[..., HV, K]``, the second low-rank factor's output.
+        A_log: ``[HV]``. dt_bias: ``[HV * K]``, head-major.
+    Returns:
+        ``[..., HV, K]`` fp32, the log decay per key dim.
+    """
+    if f.is_cuda if fused is None else fused:
+        from fla.ops.kda.gate import fused_kda_gate
+        return fused_kda_gate(f, A_log, dt_bias)
+    return -A_log.exp()[:, None] * F.softplus(f.float() + dt_bias.view(f.shape[-2:]))
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   fused: bool | None = None) -> torch.Tensor:
+    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dim, in fp32, ``x``'s dtype out: fla's fused
+    kernel (``rms_norm_gated``, one pass each way) where ``fused`` (default: on GPUs), else eagerly.
+
+    Args:
+        x, gate: ``[..., V]``. weight: ``[V]``.
+    Returns:
+        ``[..., V]``.
+    """
+    if x.is_cuda if fused is None else fused:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        return rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
 class GatedRMSNorm(torch.nn.Module):
-    """fla's ``FusedRMSNormGated`` with sigmoid: rmsnorm(x) * weight * sigmoid(gate), in fp32."""
+    """fla's ``FusedRMSNormGated`` with sigmoid (:func:`gated_rms_norm`), its ``weight`` named as fla's."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
@@ -87,9 +122,7 @@ class GatedRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x, gate):
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class KCPKimiDeltaAttention(MegatronModule):
@@ -221,7 +254,7 @@ class KCPKimiDeltaAttention(MegatronModule):
         q, k, v = (kcp.causal_conv1d(stream(x), conv.weight.squeeze(1), None, "silu", plan=plan, group=cp_group)
                    for x, conv in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
         f = stream(self.f_proj[1](f_low)[0]).view(1, T, self.hv_loc, self.K)
-        g = -self.A_log.exp()[:, None] * F.softplus(f.float() + self.dt_bias.view(self.hv_loc, self.K))
+        g = kda_gate(f, self.A_log, self.dt_bias)
         beta = stream(b).sigmoid()
         q, k, v = q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K), v.view(1, T, self.hv_loc, self.V)
         announce(self, plan, q, v, g, packed_seq_params, self.pg_collection.tp.size(), self.strategy,

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -62,3 +65,31 @@ def _bad_configs():
 @pytest.mark.slow
 def test_kda_bad_config_fails_at_construction():
     spawn(_bad_configs, 2, tp=2)
+
+
+FUSED = r"""
+from megatron_kcp.testing import fast_autotune
+fast_autotune.KEEP = 1                    # one config: the interpreter cannot time them
+fast_autotune.enable()
+import torch
+from megatron_kcp.testing import kda_fused
+for name, errs in kda_fused.errors("cpu", torch.float32).items():
+    print(name, " ".join(f"{n}:{a:.1e}/{e:.1e}" for n, (a, e) in errs.items()), flush=True)
+    assert max(a for a, _ in errs.values()) < 1e-6, (name, errs)
+control = kda_fused.dt_bias_transposed_error("cpu")
+print(f"dt_bias key-major: {control:.1e}")
+assert control > 1e-2, control
+print("fused ok")
+"""
+
+
+def test_kda_fused_gate_and_norm_match_the_formulas():
+    """fla's fused gate and gated norm, which the mixer runs on GPUs, under Triton's interpreter in fp32:
+    output and every gradient within 1e-6 of the formulas in fp64; ``dt_bias`` fed key-major misses by
+    more than 1e-2 (the control). bf16 runs on the GPU (test_layers_cuda.py)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run = subprocess.run([sys.executable, "-c", FUSED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "fused ok" in run.stdout

@@ -50,3 +50,17 @@ GPU_LONG = dataclasses.replace(GPU, seq=32768)
 def test_mixer_with_long_pieces_on_gpu(model, monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_compare, 2, model, 1, False, GPU_LONG)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_fused_gate_and_norm_on_gpu(dtype):
+    """fla's fused gate and gated norm, which the KDA mixer runs on GPUs, against the formulas in fp64:
+    output and every gradient within 1.5x of the eager path's error in the same dtype (fp32: or 1e-6);
+    ``dt_bias`` fed key-major misses by more than 1e-2 (the control)."""
+    from megatron_kcp.testing import kda_fused
+    errs = kda_fused.errors("cuda", dtype)
+    for name, e in errs.items():
+        print(f"KDA {name} {dtype}: " + " ".join(f"{n}:{a:.1e}/{b:.1e}" for n, (a, b) in e.items()), flush=True)
+        floor = 1e-6 if dtype == torch.float32 else 0.0
+        assert all(a <= max(1.5 * b, floor) for a, b in e.values()), (name, e)
+    assert kda_fused.dt_bias_transposed_error("cuda") > 1e-2
