@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_kcp.layers.kda import gated_rms_norm, kda_gate
 
-T, H, K, EPS = 70, 4, 32, 1e-6          # 70 tokens: a partial last block of every kernel
+T, H, K, EPS = 70, 4, 128, 1e-6         # 70 tokens: a partial last block of every kernel; K of the real models
 
 
 def _gate_fp64(f, A_log, dt_bias):
