@@ -251,8 +251,9 @@ class KCPKimiDeltaAttention(MegatronModule):
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
             return x.transpose(0, 1).reshape(1, T, -1)
 
-        q, k, v = (kcp.causal_conv1d(stream(x), conv.weight.squeeze(1), None, "silu", plan=plan, group=cp_group)
-                   for x, conv in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)      # their halos in one exchange
+        q, k, v = kcp.causal_conv1ds([stream(x) for x in (q, k, v)], [c.weight.squeeze(1) for c in convs],
+                                     activation="silu", plan=plan, group=cp_group)
         f = stream(self.f_proj[1](f_low)[0]).view(1, T, self.hv_loc, self.K)
         g = kda_gate(f, self.A_log, self.dt_bias)
         beta = stream(b).sigmoid()

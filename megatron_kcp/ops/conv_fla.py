@@ -6,7 +6,6 @@ import functools
 
 import torch
 
-from megatron_kcp.parallel import halo
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 
@@ -55,25 +54,18 @@ def _equal_segments(plan: KCPPlan) -> bool:
     return len({b - a for a, b in zip(cu, cu[1:])}) == 1
 
 
-def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
+def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
     """fla's conv over the local segments, each continuing segment starting from its halo.
 
     Args:
         x: ``[1, T, D]``, this rank's stream; weight: ``[D, kernel_size]``; bias: ``[D]`` or None.
+        rows: the halo rows ``[pieces * (kernel_size - 1), D]`` (:mod:`megatron_kcp.parallel.halo`;
+            None: no CP). Every rank passes them where CP runs (zeros where no segment continues): the
+            halo's gradient then reaches the backward collective on every rank, which all must join.
     Returns:
         ``[1, T, D]``. Segments of one length (a rank's zigzag pieces, Megatron's ``[s, b]`` rows) go
         as a batch of rows, whose backward kernel is faster than fla's varlen one.
     """
-    rows = None
-    if plan.world_size > 1 and plan.halo_len:
-        # every rank passes a state (zeros where no segment continues): the halo's gradient then
-        # reaches the backward collective on every rank, which all of them must join
-        rows = halo.halo(x.squeeze(0), plan, group)
-    return local_conv(x, weight, bias, activation, plan, rows)
-
-
-def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
-    """:func:`causal_conv1d` given the halo rows ``[pieces * (kernel_size - 1), D]`` (None: no CP)."""
     from fla.modules.causal_conv1d import causal_conv1d as conv
     state = _HaloToState.apply(rows, plan).contiguous() if rows is not None else None
     if _equal_segments(plan):

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from megatron_kcp.ops.conv_fla import halo_segments, halo_state
-from megatron_kcp.parallel import halo
 from megatron_kcp.parallel.plan import KCPPlan, index_tensor
 
 BT, BD, BC = 64, 32, 16          # fla's Gluon backward: chunk, channel block, rows a thread unrolls
@@ -173,23 +172,16 @@ class GluonConv(torch.autograd.Function):
         return dx, dw, db, dhalo, None, None
 
 
-def causal_conv1d(x, weight, bias, activation, plan: KCPPlan, group):
+def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
     """fla's Gluon conv over the local segments, each continuing segment reading its halo.
 
     Args:
         x: ``[1, T, D]``, this rank's stream (its rows may be strided); weight:
             ``[D, kernel_size]`` with kernel_size 2 to 4; bias: ``[D]`` or None.
+        rows: the halo rows ``[pieces * (kernel_size - 1), D]`` (:mod:`megatron_kcp.parallel.halo`;
+            None: no CP).
     Returns:
         ``[1, T, D]``, contiguous.
     """
-    rows = None
-    if plan.world_size > 1 and plan.halo_len:
-        # every rank joins the halo's exchange, forward and backward, whether or not a segment of it continues
-        rows = halo.halo(x.squeeze(0), plan, group)
-    return local_conv(x, weight, bias, activation, plan, rows)
-
-
-def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
-    """:func:`causal_conv1d` given the halo rows ``[pieces * (kernel_size - 1), D]`` (None: no CP)."""
     x = x if x.stride(-1) == 1 else x.contiguous()       # the kernels step over channels one by one
     return GluonConv.apply(x, weight.contiguous(), bias, rows, plan, activation)

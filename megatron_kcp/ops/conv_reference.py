@@ -10,7 +10,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_kcp.parallel import halo
 from megatron_kcp.parallel.plan import KCPPlan
 
 
@@ -48,21 +47,17 @@ def _taps_on(plan: KCPPlan, device: str) -> torch.Tensor:
     return _taps(plan).to(device)
 
 
-def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: KCPPlan | None = None,
-                  group=None):
+def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
     """Depthwise causal conv of the packed local stream with the CP halo.
 
     Args:
         x: ``[1, T, D]``, this rank's stream; weight: ``[D, kernel_size]``; bias: ``[D]`` or None.
         activation: ``"silu"`` / ``"swish"`` or None.
+        rows: the halo rows ``[pieces * (kernel_size - 1), D]`` (:mod:`megatron_kcp.parallel.halo`; None:
+            a plan without a halo).
     Returns:
         ``[1, T, D]``.
     """
-    return local_conv(x, weight, bias, activation, plan, halo.halo(x[0], plan, group) if plan.halo_len else None)
-
-
-def local_conv(x, weight, bias, activation, plan: KCPPlan, rows):
-    """:func:`causal_conv1d` given the halo rows ``[pieces * (kernel_size - 1), D]`` (None: no halo)."""
     x2 = x[0]
     taps = _taps_on(plan, str(x.device))
     parts = [x2] + ([rows] if rows is not None else [])

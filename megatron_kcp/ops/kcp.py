@@ -12,6 +12,7 @@ import os
 import torch
 
 from megatron_kcp.ops import conv_reference, dispatch
+from megatron_kcp.parallel import halo
 from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, split_segments
 
 CONV_BACKENDS = ("auto", "reference", "fla", "gluon", "qla")
@@ -93,30 +94,58 @@ def causal_conv1d(x, weight, bias=None, activation: str | None = "silu", plan: K
     Returns:
         ``[1, T, D]``.
     """
+    return causal_conv1ds([x], [weight], [bias], activation, plan, group, backend)[0]
+
+
+def causal_conv1ds(xs, weights, biases=None, activation: str | None = "silu", plan: KCPPlan = None, group=None,
+                   backend: str = "auto") -> list[torch.Tensor]:
+    """:func:`causal_conv1d` of several streams of one plan (KDA's q, k and v), their halos in one
+    exchange each way: one collective forward and one backward, not one a conv.
+
+    Args:
+        xs: ``[1, T, D_i]`` each, of one dtype; weights: ``[D_i, kernel_size]`` each, one kernel size;
+            biases: ``[D_i]`` or None each (None: none at all); the rest as :func:`causal_conv1d`.
+    Returns:
+        ``[1, T, D_i]`` each.
+    """
+    biases = [None] * len(xs) if biases is None else biases
     if plan is None:
         raise ValueError("causal_conv1d needs a KCP plan: plan_for_cp_group(cu_seqlens, layout, conv_kernel_size)")
-    if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != plan.num_local_tokens:
-        raise ValueError(f"x must be the packed local stream [1, {plan.num_local_tokens}, D], got {tuple(x.shape)}")
-    if plan.conv_kernel_size != weight.shape[-1]:
-        raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has {weight.shape[-1]}: "
-                         f"build the plan with conv_kernel_size={weight.shape[-1]}")
+    if not len(xs) == len(weights) == len(biases) > 0:
+        raise ValueError(f"causal_conv1ds: {len(xs)} streams, {len(weights)} weights, {len(biases)} biases: give one "
+                         "weight and one bias (or None) a stream")
+    for x, weight in zip(xs, weights):
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != plan.num_local_tokens:
+            raise ValueError(f"x must be the packed local stream [1, {plan.num_local_tokens}, D], got {tuple(x.shape)}")
+        if plan.conv_kernel_size != weight.shape[-1]:
+            raise ValueError(f"plan was built for conv kernel size {plan.conv_kernel_size}, weight has "
+                             f"{weight.shape[-1]}: build the plan with conv_kernel_size={weight.shape[-1]}")
+    if len({x.dtype for x in xs}) != 1:
+        raise ValueError(f"causal_conv1ds: the streams' dtypes differ ({sorted({str(x.dtype) for x in xs})}): "
+                         "cast them to one")
     if plan.max_segment:
         raise ValueError("causal_conv1d takes the layout's plan, not one split by max_segment (its halo follows the "
                          "pieces): pass the plan the mixer built")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported conv activation {activation!r}: use 'silu' or None")
-    backend = conv_backend(x.device, x.dtype, weight.shape[-1], backend)
+    backend = conv_backend(xs[0].device, xs[0].dtype, plan.conv_kernel_size, backend)
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
     if backend == "gluon":
-        from megatron_kcp.ops import conv_gluon
-        return conv_gluon.causal_conv1d(x, weight, bias, activation, plan, group)
-    if backend == "fla":
+        from megatron_kcp.ops import conv_gluon as local
+    elif backend == "fla":
         from megatron_kcp.environment import check_fla
-        from megatron_kcp.ops import conv_fla
-        check_fla(x.device)
-        return conv_fla.causal_conv1d(x, weight, bias, activation, plan, group)
-    return conv_reference.causal_conv1d(x, weight, bias, activation, plan, group)
+        from megatron_kcp.ops import conv_fla as local
+        check_fla(xs[0].device)
+    else:
+        local = conv_reference
+    rows = [None] * len(xs)
+    # the reference's taps read halo rows on one rank too; fla's kernels only where a piece may continue
+    # on another rank, and there every rank joins the exchange, forward and backward, whether or not a
+    # segment of its own continues
+    if plan.halo_len and (plan.world_size > 1 or local is conv_reference):
+        rows = halo.halos([x[0] for x in xs], plan, group)
+    return [local.local_conv(x, w, b, activation, plan, r) for x, w, b, r in zip(xs, weights, biases, rows)]
 
 
 def conv_backend(device: torch.device, dtype: torch.dtype, kernel_size: int, backend: str = "auto") -> str:

@@ -2,8 +2,9 @@
 
 Each piece's first tokens need the tokens before it in the same sequence, which live at the tail of
 earlier pieces (of one or several ranks when pieces are short). Ranks all-gather the tails of their
-pieces; backward sums every rank's halo gradient back onto the tails' owners with one
-reduce-scatter. Tokens never cross a sequence boundary: a halo row before a sequence start is zero.
+pieces, of all a mixer's conv inputs at once (:func:`halos`); backward sums every rank's halo gradient
+back onto the tails' owners with one reduce-scatter. Tokens never cross a sequence boundary: a halo
+row before a sequence start is zero.
 """
 from __future__ import annotations
 
@@ -46,31 +47,53 @@ def _on(plan: KCPPlan, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 class HaloExchange(torch.autograd.Function):
-    """The local stream ``[T, D]`` -> the halo rows ``[pieces * (kernel_size - 1), D]`` of its pieces,
-    in piece order (zero where no token of the same sequence is there). Only the tails are read and
-    written: the stream, the conv's whole input, is never copied."""
+    """Local streams ``[T, D_i]`` -> the halo rows ``[pieces * (kernel_size - 1), D_i]`` of their pieces,
+    in piece order (zero where no token of the same sequence is there), all streams' tails in one
+    all-gather forward and one reduce-scatter backward. Only the tails are read and written: a stream,
+    a conv's whole input, is never copied."""
 
     @staticmethod
-    def forward(ctx, x, plan: KCPPlan, group):
-        tails_idx, has, src = _on(plan, str(x.device))
+    def forward(ctx, plan: KCPPlan, group, *xs):
+        tails_idx, has, src = _on(plan, str(xs[0].device))
         hl, P = plan.halo_len, plan.num_pieces
-        tails = x.index_select(0, tails_idx).masked_fill_(~has, 0).view(P, hl, -1)
+        tails = _cat([x.index_select(0, tails_idx) for x in xs]).masked_fill_(~has, 0).view(P, hl, -1)
         gathered = all_gather(tails, group) if plan.world_size > 1 else tails[None]
-        gathered = torch.cat([gathered.flatten(0, 2), x.new_zeros(1, x.shape[1])])
-        ctx.plan, ctx.group, ctx.T = plan, group, x.shape[0]
-        return gathered[src]
+        gathered = torch.cat([gathered.flatten(0, 2), tails.new_zeros(1, tails.shape[-1])])
+        ctx.plan, ctx.group, ctx.T, ctx.widths = plan, group, xs[0].shape[0], [x.shape[1] for x in xs]
+        return _split(gathered[src], ctx.widths)
 
     @staticmethod
-    def backward(ctx, dhalo):
+    def backward(ctx, *dhalos):
         plan = ctx.plan
+        dhalo = _cat(dhalos)
         tails_idx, has, src = _on(plan, str(dhalo.device))
         W, P, hl = plan.world_size, plan.num_pieces, plan.halo_len
         dall = dhalo.new_zeros(W * P * hl + 1, dhalo.shape[1]).index_add_(0, src, dhalo)[:-1]
         dtails = reduce_scatter(dall.view(W, P * hl, -1), ctx.group) if W > 1 else dall
         dtails = dtails.reshape(P * hl, -1).masked_fill(~has, 0)
-        return dhalo.new_zeros(ctx.T, dhalo.shape[1]).index_add_(0, tails_idx, dtails), None, None
+        return None, None, *(dhalo.new_zeros(ctx.T, d.shape[1]).index_add_(0, tails_idx, d)
+                             for d in dtails.split(ctx.widths, 1))
+
+
+def _cat(parts) -> torch.Tensor:
+    """The channels of ``parts`` side by side (one part: itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _split(rows: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
+    """``rows`` cut by channels into contiguous parts (the conv kernels read a halo's rows densely)."""
+    return (rows,) if len(widths) == 1 else tuple(r.contiguous() for r in rows.split(widths, 1))
+
+
+def halos(xs, plan: KCPPlan, group) -> tuple[torch.Tensor, ...]:
+    """The halo rows of each local stream ``[T, D_i]`` of ``xs`` (one dtype and device), in one
+    exchange each way: a mixer with several convs (KDA's q, k and v) pays one collective, not one a conv."""
+    if len({(x.dtype, x.device, x.shape[0]) for x in xs}) != 1:
+        raise ValueError("halos: the streams must share their dtype, device and token count, got "
+                         f"{[(x.dtype, str(x.device), x.shape[0]) for x in xs]}")
+    return HaloExchange.apply(plan, group, *xs)
 
 
 def halo(x: torch.Tensor, plan: KCPPlan, group) -> torch.Tensor:
-    """``HaloExchange.apply(x, plan, group)``: the halo rows of the local stream ``x`` ``[T, D]``."""
-    return HaloExchange.apply(x, plan, group)
+    """The halo rows of the local stream ``x`` ``[T, D]`` (:func:`halos` of one stream)."""
+    return halos([x], plan, group)[0]

@@ -108,11 +108,11 @@ def exchange_off(*names: str, conv_halo: bool = True):
 
 def halo_off():
     """Every conv piece reads a zero halo (restored by the returned callable)."""
-    exchange = halo.halo
-    halo.halo = lambda x, plan, group: x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1])
+    exchange = halo.halos
+    halo.halos = lambda xs, plan, group: tuple(x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1]) for x in xs)
 
     def restore():
-        halo.halo = exchange
+        halo.halos = exchange
     return restore
 
 

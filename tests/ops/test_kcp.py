@@ -136,6 +136,79 @@ def _split_cases(layouts, backend="reference"):
         kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split_segments(plan, 24), group=group, backend="reference")
 
 
+def _convs_cases():
+    """``causal_conv1ds`` of three streams (one halo exchange) against the one-device oracle and, bit for
+    bit, against three ``causal_conv1d`` calls (three exchanges), forward and every gradient; the
+    collectives counted; the control: a zero halo misses the oracle."""
+    from unittest import mock
+
+    from megatron_kcp.parallel import halo
+    from megatron_kcp.testing.checks import halo_off
+    from megatron_kcp.testing.distributed import rel_err
+    group = cp_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator().manual_seed(3)
+    for layout, kind in (("zigzag_per_doc", "random"), ("zigzag", "tiny"), ("contiguous", "random")):
+        cu = random_cu_seqlens(gen, layout, W, kind)
+        widths, ks = (3, 5, 2), 4
+        xs = [torch.randn(1, cu[-1], d, generator=gen, dtype=torch.float64) for d in widths]
+        ws = [torch.randn(d, ks, generator=gen, dtype=torch.float64) for d in widths]
+        bs = [torch.randn(d, generator=gen, dtype=torch.float64) for d in widths[:2]] + [None]
+        dys = [torch.randn(1, cu[-1], d, generator=gen, dtype=torch.float64) for d in widths]
+        whole, plan = plan_for(cu, "contiguous", 1, 0, ks), plan_for(cu, layout, W, r, ks)
+
+        def run(many):
+            loc = [shard(plan, x)[0].requires_grad_() for x in xs]
+            w_ = [w.clone().requires_grad_() for w in ws]
+            b_ = [b.clone().requires_grad_() if b is not None else None for b in bs]
+            calls = {"all_gather": 0, "reduce_scatter": 0}
+
+            def counted(name):
+                real = getattr(halo, name)
+
+                def f(*a):
+                    calls[name] += 1
+                    return real(*a)
+                return mock.patch.object(halo, name, f)
+            with counted("all_gather"), counted("reduce_scatter"):
+                ys = (kcp.causal_conv1ds(loc, w_, b_, plan=plan, group=group, backend="reference") if many else
+                      [kcp.causal_conv1d(x, w, b, plan=plan, group=group, backend="reference")
+                       for x, w, b in zip(loc, w_, b_)])
+                leaves = loc + w_ + [b for b in b_ if b is not None]
+                grads = torch.autograd.grad(ys, leaves, [shard(plan, dy)[0] for dy in dys])
+            return ys, grads, calls
+
+        ys, grads, calls = run(True)
+        ys1, grads1, calls1 = run(False)
+        assert all(torch.equal(a, b) for a, b in zip(ys + list(grads), ys1 + list(grads1))), (layout, kind)
+        assert calls == dict.fromkeys(calls, 1 if W > 1 else 0), calls
+        assert calls1 == dict.fromkeys(calls1, 3 if W > 1 else 0), calls1
+        xs_ = [x.clone().requires_grad_() for x in xs]
+        oracle = [kcp.causal_conv1d(x, w, b, plan=whole, backend="reference") for x, w, b in zip(xs_, ws, bs)]
+        d_oracle = torch.autograd.grad(oracle, xs_, dys)
+        errs = [rel_err(y, shard(plan, o)[0]) for y, o in zip(ys, oracle)]
+        errs += [rel_err(g, shard(plan, o)[0]) for g, o in zip(grads[:3], d_oracle)]
+        assert max(errs) <= TOL, (layout, kind, errs)
+        restore = halo_off()
+        try:
+            off = kcp.causal_conv1ds([shard(plan, x)[0] for x in xs], ws, bs, plan=plan, group=group,
+                                     backend="reference")
+        finally:
+            restore()
+        miss = torch.tensor(max(rel_err(y, shard(plan, o)[0]) for y, o in zip(off, oracle)))
+        dist.all_reduce(miss, op=dist.ReduceOp.MAX, group=group)
+        assert miss >= 10 * TOL, f"{layout} {kind}: a zero halo still matches ({miss:.1e})"
+    x = torch.zeros(1, plan.num_local_tokens, 3)
+    with pytest.raises(ValueError, match="one weight and one bias"):
+        kcp.causal_conv1ds([x, x], [torch.zeros(3, 4)], plan=plan, group=group, backend="reference")
+    with pytest.raises(ValueError, match="dtypes differ"):
+        kcp.causal_conv1ds([x, x.double()], [torch.zeros(3, 4)] * 2, plan=plan, group=group, backend="reference")
+
+
+def test_convs_of_a_mixer_share_one_halo_exchange():
+    spawn(_convs_cases, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_cut_segments_match_single_process(world_size):
