@@ -49,8 +49,9 @@ def _on(plan: KCPPlan, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class HaloExchange(torch.autograd.Function):
     """Local streams ``[T, D_i]`` -> the halo rows ``[pieces * (kernel_size - 1), D_i]`` of their pieces,
     in piece order (zero where no token of the same sequence is there), all streams' tails in one
-    all-gather forward and one reduce-scatter backward. Only the tails are read and written: a stream,
-    a conv's whole input, is never copied."""
+    all-gather forward and one reduce-scatter backward. Only the tails are read: a stream, a conv's
+    whole input, is never copied; backward hands autograd each stream's input gradient as a zero-filled
+    ``[T, D_i]`` with the tails' rows in it, for it to add to the conv's own."""
 
     @staticmethod
     def forward(ctx, plan: KCPPlan, group, *xs):
