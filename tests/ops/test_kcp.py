@@ -137,9 +137,9 @@ def _split_cases(layouts, backend="reference"):
 
 
 def _convs_cases():
-    """``causal_conv1ds`` of three streams (one halo exchange) against the one-device oracle and, bit for
-    bit, against three ``causal_conv1d`` calls (three exchanges), forward and every gradient; the
-    collectives counted; the control: a zero halo misses the oracle."""
+    """``causal_conv1ds`` of three streams (one halo exchange): bit for bit as three ``causal_conv1d``
+    calls (three exchanges), output and every gradient; output and input gradients against the
+    one-device oracle; the collectives counted; the control: a zero halo misses the oracle."""
     from unittest import mock
 
     from megatron_kcp.parallel import halo
