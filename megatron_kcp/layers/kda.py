@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
+from megatron_kcp.environment import check_fla
 from megatron_kcp.layers.common import announce, packed_plan
 from megatron_kcp.layers.layout import mixer_input
 from megatron_kcp.ops import dispatch, kcp
@@ -79,6 +80,13 @@ class KDASubmodules:
     row_linear: ModuleSpec | type
 
 
+def _check_fla(x: torch.Tensor) -> None:
+    """On a GPU, fla-core as pinned, or an error naming the fix before fla is imported (on the CPU the
+    fused kernels run only under Triton's interpreter, in tests)."""
+    if x.is_cuda:
+        check_fla(x.device)
+
+
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """The forget gate ``-exp(A_log) * softplus(f + dt_bias)`` in fp32: fla's fused kernel (one pass each
     way, the parameters' gradients reduced in it) where ``fused`` (default: on GPUs), else eagerly.
@@ -90,6 +98,7 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, fused:
         ``[..., HV, K]`` fp32, the log decay per key dim.
     """
     if f.is_cuda if fused is None else fused:
+        _check_fla(f)
         from fla.ops.kda.gate import fused_kda_gate
         return fused_kda_gate(f, A_log, dt_bias)
     return -A_log.exp()[:, None] * F.softplus(f.float() + dt_bias.view(f.shape[-2:]))
@@ -106,6 +115,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         ``[..., V]``.
     """
     if x.is_cuda if fused is None else fused:
+        _check_fla(x)
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         return rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
     xf = x.float()
