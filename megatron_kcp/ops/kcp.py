@@ -144,7 +144,8 @@ def causal_conv1ds(xs, weights, biases=None, activation: str | None = "silu", pl
     # on another rank, and there every rank joins the exchange, forward and backward, whether or not a
     # segment of its own continues
     if plan.halo_len and (plan.world_size > 1 or local is conv_reference):
-        rows = halo.halos([x[0] for x in xs], plan, group)
+        streams, rows = halo.halos([x[0] for x in xs], plan, group)
+        xs = [x[None] for x in streams]
     return [local.local_conv(x, w, b, activation, plan, r) for x, w, b, r in zip(xs, weights, biases, rows)]
 
 

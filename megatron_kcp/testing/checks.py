@@ -109,7 +109,8 @@ def exchange_off(*names: str, conv_halo: bool = True):
 def halo_off():
     """Every conv piece reads a zero halo (restored by the returned callable)."""
     exchange = halo.halos
-    halo.halos = lambda xs, plan, group: tuple(x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1]) for x in xs)
+    halo.halos = lambda xs, plan, group: (xs, tuple(x.new_zeros(plan.num_pieces * plan.halo_len, x.shape[1])
+                                                    for x in xs))
 
     def restore():
         halo.halos = exchange
