@@ -217,9 +217,10 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
     perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv, and since its packing
     perdoc_heads_pack_h200x2.csv, whose head-shard rows replace the older ones; on 4 x H100,
-    perdoc_heads_pack_h100x4.csv, its rows compared only with each other): wherever both our converted
-    step (the default's row where it converted, or ``kcp-convert``) and our step left on Megatron's
-    layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer and block
+    perdoc_heads_pack_h100x4.csv, its rows compared only with each other; the GDN mixer at 10 documents,
+    32k and 128k, three processes each: perdoc_stay_or_convert_h200x2.csv, its last process's rows):
+    wherever both our converted step (the default's row where it converted, or ``kcp-convert``) and our
+    step left on Megatron's layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer and block
     level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the dispatch's,
     with the cores of the Hopper GPUs the rows ran on (flash-qla's for GDN where it runs, so the cores'
     difference counts); where it moves to head shards, its time is the default's own row where
@@ -242,7 +243,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     steps = {}
     results = Path(__file__).parents[2] / "benchmarks" / "results"
     files = [(gpu, W, f"perdoc{run}_{gpu}x{W}.csv") for gpu in ("h200", "h100") for W in (2, 4)
-             for run in ("", "_heads", "_heads_pack")]
+             for run in ("", "_heads", "_heads_pack", "_stay_or_convert")]
     for gpu, W, name in [f for f in files if (results / f[2]).exists()]:
         with open(results / name, newline="") as f:
             for r in csv.DictReader(f):
