@@ -220,14 +220,14 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     perdoc_heads_pack_h100x4.csv, its rows compared only with each other; the GDN mixer at 10 documents,
     32k and 128k, three processes each: perdoc_stay_or_convert_h200x2.csv, its last process's rows):
     wherever both our converted step (the default's row where it converted, or ``kcp-convert``) and our
-    step left on Megatron's layout were timed, the model's pick is the faster one or within 10% of it, at op, mixer and block
-    level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's pick is the dispatch's,
-    with the cores of the Hopper GPUs the rows ran on (flash-qla's for GDN where it runs, so the cores'
-    difference counts); where it moves to head shards, its time is the default's own row where
-    one was timed, else the measured cp2hp row of that call (``cp2hp-qla`` for GDN, ``cp2hp`` for KDA),
-    and the faster of all three steps is the yardstick. 10%: the spread of one case between runs on two
-    hosts of one kind (BENCHMARKS.md, packed documents, run to run), where the steps are close; a wrong
-    pick where they are not loses 1.2x to 3x."""
+    step left on Megatron's layout were timed, the model's pick is the faster one or within 10% of it,
+    at op, mixer and block level (a run of 3 linear layers), GDN and KDA, 1 to 300 documents. The op's
+    pick is the dispatch's, with the cores of the Hopper GPUs the rows ran on (flash-qla's for GDN where
+    it runs, so the cores' difference counts); where it moves to head shards, its time is the default's
+    own row where one was timed, else the measured cp2hp row of that call (``cp2hp-qla`` for GDN,
+    ``cp2hp`` for KDA), and the faster of all three steps is the yardstick. 10%: the spread of one case
+    between runs on two hosts of one kind (BENCHMARKS.md, packed documents, run to run), where the steps
+    are close; a wrong pick where they are not loses 1.2x to 3x."""
     import csv
     from pathlib import Path
 
