@@ -77,9 +77,10 @@ def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int 
           head_dim: int = 128) -> tuple[float, float]:
     """Modelled seconds per direction that (relay, all-gather) add to a step. A state pass costs
     ``STATE_PASS`` a token whatever ``heads`` (which sizes the exchange's slots): with the cut's price
-    fitted on top of it, this reads the measured GDN mixer at 32 heads right, where a price scaled down
-    to the heads and flash-qla's core would keep the 128k, 10-document mixer on Megatron's layout and
-    lose 1.7 ms (BENCHMARKS.md, the GDN mixer at 10 documents: convert or stay)."""
+    fitted on top of it, this picks the faster layout for the measured GDN mixer at 32 heads, where a
+    price scaled down to the heads and flash-qla's core would keep a long pack of few documents on
+    Megatron's layout, which the measured rows have slower (BENCHMARKS.md, the GDN mixer at 10
+    documents: convert or stay)."""
     plans = all_plans(cu_seqlens, layout, world_size)
     gather = 0.0
     for p in plans:
