@@ -30,7 +30,10 @@ Layer level (``--what layers``, one sequence of T tokens, hidden size --hidden, 
 KCPGatedDeltaNet and megatron-core 0.19's GatedDeltaNet with the same config and weights (CP=1
 rows ``noCP`` / ``megatron``, CP=W rows ``kcp`` / ``cp2hp``), and the KDA mixer at CP=1 and CP=W
 (``kcp``, and ``cp2hp``: the same mixer with the all-to-all around its kernel); fwd+bwd; Megatron's
-local layers (no TransformerEngine), bf16 weights.
+local layers (no TransformerEngine), bf16 weights. Where flash-qla runs the problem (GDN, Hopper on,
+K = V = 128), megatron-core's module again with fla handing its call to flash-qla, as it runs where
+flash-qla is installed (``megatron-qla``, ``cp2hp-qla``); its other rows run fla's Triton kernels, as
+every fla row here does unless ``FLA_FLASH_QLA`` is set.
 
 Every time is the median over --iters iterations of the slowest rank, after --warmup untimed calls
 of the same shape (fla autotunes on its first call per shape; --prewarm first tunes the single-GPU

@@ -1,11 +1,13 @@
 """What every benchmark shares: the documents, the inputs, the error measure, the ranks, and the CSVs."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
 import socket
 import warnings
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -13,6 +15,18 @@ import torch.multiprocessing as mp
 VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)
 CONV = 4                                           # conv kernel size the plans carry (halo of 3 tokens)
 DOCS = ("single", "varlen", "varlen100")            # the default sets; cu_seqlens takes any varlenN
+
+
+@contextlib.contextmanager
+def env(**values):
+    """Environment variables for one method's build and run (``None``: unset)."""
+    with mock.patch.dict(os.environ):
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
 
 
 def _weights(n: int) -> list[float]:

@@ -2,12 +2,16 @@
 KDA mixer (CP=1, and CP=W with KCP and with cp2hp), with the same config and weights, fwd+bwd,
 Megatron's local layers; per --docs: one sequence ([s, b] batch, zigzag over CP), or a THD batch of
 packed documents (PackedSeqParams, documents padded to multiples of 2W, Megatron's per-document zigzag
-over CP)."""
+over CP). megatron-core's rows run fla's kernels as the process's ``FLA_FLASH_QLA`` says (bench_ops.py:
+off unless set); where flash-qla runs the problem, ``megatron-qla`` and ``cp2hp-qla`` add them with fla
+handing the call to flash-qla, as megatron-core runs where flash-qla is installed."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
-from benchmarks.common import cu_seqlens, rel_err
+from benchmarks.common import cu_seqlens, env, rel_err
 from benchmarks.table import Table
 from benchmarks.timing import Bench
 
@@ -36,6 +40,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+    from megatron_kcp.environment import qla_runs
     from megatron_kcp.layers.gdn import KCPGatedDeltaNet
     from megatron_kcp.testing.layers import Shape, build, config
     args, W, rank, dev = b.args, b.W, b.rank, b.device
@@ -52,6 +57,9 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
     if model == "GDN":
         variants = [("megatron", 1, GatedDeltaNet, {}), ("noCP", 1, KCPGatedDeltaNet, {}),
                     ("cp2hp", W, GatedDeltaNet, {}), ("kcp", W, KCPGatedDeltaNet, {})]
+        if qla_runs(dev, b.dtype, False, (args.head_dim, args.head_dim)):
+            variants[1:1] = [("megatron-qla", 1, GatedDeltaNet, {})]
+            variants[-1:-1] = [("cp2hp-qla", W, GatedDeltaNet, {})]
     state, y_ref, dx_ref = None, None, None
     packed, rows_of = _packed(docs, T, W)
     for method, cp, cls, options in variants:
@@ -61,29 +69,31 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
             table.add(dict(meta, **{"pass": "fwd+bwd"}, note="n/a on the CPU: megatron-core's GatedDeltaNet "
                            "runs packed sequences with fla's kernels only"))
             continue
+        qla = env(FLA_FLASH_QLA="1") if method.endswith("-qla") else contextlib.nullcontext()
         try:
-            mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls, **options)
-            mod = mod.to(b.dtype)
-            if state is None:
-                state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mod.state_dict().items()}
-            mod.load_state_dict(state)
+            with qla:                            # megatron-core's call handed to flash-qla, or not
+                mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls, **options)
+                mod = mod.to(b.dtype)
+                if state is None:
+                    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mod.state_dict().items()}
+                mod.load_state_dict(state)
 
-            def local(t, cp=cp):
-                return rows_of(t, cp, rank)
-            leaf, dyl = local(x).clone().requires_grad_(), local(dy).contiguous()
+                def local(t, cp=cp):
+                    return rows_of(t, cp, rank)
+                leaf, dyl = local(x).clone().requires_grad_(), local(dy).contiguous()
 
-            def step():
-                for p in [leaf, *mod.parameters()]:
-                    p.grad = None
-                y, _ = mod(leaf, None, packed_seq_params=packed)
-                y.backward(dyl)
-                return y
-            y = step().detach()                  # first call: output and input gradient against CP=1's
-            if y_ref is None:
-                y_ref, dx_ref = y, leaf.grad.clone()
-            err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
-                                        rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
-            rows = b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])
+                def step():
+                    for p in [leaf, *mod.parameters()]:
+                        p.grad = None
+                    y, _ = mod(leaf, None, packed_seq_params=packed)
+                    y.backward(dyl)
+                    return y
+                y = step().detach()                  # first call: output and input gradient against CP=1's
+                if y_ref is None:
+                    y_ref, dx_ref = y, leaf.grad.clone()
+                err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
+                                            rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
+                rows = b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why
             rows = b.failed(meta, ["fwd+bwd"], e)
         for r in rows:

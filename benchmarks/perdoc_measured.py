@@ -66,7 +66,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import perdoc  # noqa: E402
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, measured_world, rel_err, spawn  # noqa: E402
+from benchmarks.common import (CONV, cu_seqlens, env, fresh_leaves, init_rank, measured_world, rel_err,  # noqa: E402
+                               spawn)
 from benchmarks.timing import Bench, kernel_time  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
@@ -85,18 +86,6 @@ NAMES = {"ops": ("o", "dq", "dk", "dv", "dg", "dbeta"), "mixer": ("y", "dx"), "b
 # a right method's bf16 row sits near 1e-2 or below against the one-device bf16 run; a wrong exchange,
 # halo or layout misses by O(1)
 ERR_BOUND = 5e-2
-
-
-@contextlib.contextmanager
-def env(**values):
-    """Environment variables for one method's build and run (``None``: unset)."""
-    with mock.patch.dict(os.environ):
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
 
 
 def method_env(method: str, cuda: bool) -> dict:

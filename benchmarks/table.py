@@ -27,8 +27,10 @@ class Table:
         row.update(head_dim=self.args.head_dim, dtype=self.args.dtype)
         case = ("level", "model", "pass", "tokens", "docs", "heads")
         same = [r for r in self.rows if all(r[c] == row[c] for c in case)]
-        # layers: megatron-core's cp2hp against its own module at CP=1 where there is one (GDN; KDA has none)
-        bases = ("megatron", "noCP") if row["method"] == "cp2hp" and row["level"] == "layers" else ("noCP",)
+        # layers: megatron-core's cp2hp against its own module at CP=1 where there is one (GDN; KDA has none),
+        # on the same kernels (``-qla``: fla handing its call to flash-qla)
+        bases = {"cp2hp": ("megatron", "noCP"), "cp2hp-qla": ("megatron-qla", "noCP")}.get(row["method"], ("noCP",))
+        bases = bases if row["level"] == "layers" else ("noCP",)
         base = next((r["ms"] for m in bases for r in same if r["method"] == m), math.nan)
         cp2hp = next((r["ms"] for r in same if r["method"] == "cp2hp" and r["W"] == row["W"]), math.nan)
         if row["method"] == "cp2hp":

@@ -21,7 +21,7 @@ import pytest
 from benchmarks import bench_ops, memory
 from benchmarks import exchange_model as xm
 from benchmarks import simulate as sim
-from benchmarks.table import COLUMNS
+from benchmarks.table import COLUMNS, Table
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 W, T, H, K = 2, 128, 2, 16                  # bench_ops.py --smoke sizes (fp32 on the CPU)
@@ -84,6 +84,19 @@ def test_smoke_bytes_exchanged_match_hand_count(smoke):
             assert got[model, pas, "kcp-relay", "zigzag"] == passes * state
             assert got[model, pas, "kcp-relay", "contiguous"] == (passes - 1) * state
             assert got[model, pas, "cp2hp", "zigzag"] == passes * cp2hp_fwd
+
+
+def test_layer_rows_of_megatron_core_compare_on_the_same_kernels():
+    """At layer level megatron-core's cp2hp is measured against its own module at CP = 1 on the same
+    kernels: fla's Triton (``megatron``) or fla handing the call to flash-qla (``megatron-qla``)."""
+    table = Table(types.SimpleNamespace(head_dim=128, dtype="bfloat16"), None, False)
+    case = dict(level="layers", model="GDN", tokens=32768, docs="single", heads=16, **{"pass": "fwd+bwd"})
+    for method, w, ms in [("megatron", 1, 16.0), ("megatron-qla", 1, 11.0), ("noCP", 1, 14.0),
+                          ("cp2hp", 2, 10.0), ("cp2hp-qla", 2, 5.5), ("kcp", 2, 8.0)]:
+        table.add(dict(case, method=method, W=w, ms=ms))
+    eff = {r["method"]: r["eff"] for r in table.rows}
+    assert eff["cp2hp"] == 16.0 / 20 and eff["cp2hp-qla"] == 11.0 / 11 and eff["kcp"] == 14.0 / 16
+    assert table.rows[-1]["x_cp2hp"] == 10.0 / 8
 
 
 def test_plot_from_csv(smoke, tmp_path):
