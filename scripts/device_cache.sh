@@ -4,10 +4,11 @@
 # possibly on another machine with the same GPU and packages), else from
 # scripts/tuning/$name-h200.tar.xz (fla's full-autotuning winners of the measured packed-document
 # and one-sequence tables in BENCHMARKS.md: the Qwen3-Next, Kimi-Linear and H = 64 shapes at 32k
-# tokens, and one sequence at 128k; Triton keys them by kernel, arguments and GPU architecture,
-# sm_90 for an H100 too; and tilelang 0.1.15's sm_90 kernels for flash-qla's GDN and fla's tilelang
-# backward at those shapes, on head shards (cp2hp) and on 128k packs too, which a fresh machine
-# would otherwise compile before its first Qwen3-Next step); and save_cache, which packs them for a
+# tokens, one sequence at 128k, and the mixer-level table's H = 16 on one 32k sequence; Triton
+# keys them by kernel, arguments and GPU architecture, sm_90 for an H100 too; and tilelang
+# 0.1.15's sm_90 kernels for flash-qla's GDN and fla's tilelang backward at the tables' shapes, on
+# head shards (cp2hp) and on 128k packs too, which a fresh machine would otherwise compile before
+# its first Qwen3-Next step); and save_cache, which packs them for a
 # later run (see it). xz, not gzip: tilelang's kernels repeat their host wrappers, and xz's window
 # finds the repeats that gzip's cannot. With KCP_FAST_AUTOTUNE set, every Python process, torchrun's
 # workers included, trims fla's autotuning (megatron_kcp/testing/fast_autotune.py) before fla
