@@ -52,6 +52,9 @@ Rows are printed and appended to --csv as they finish, and --budget skips the ca
 is spent, so a stopped stage still reports. ``--smoke`` runs tiny sizes on the CPU over gloo
 (reference kernels, no fla-cp): a check that the script works, not a measurement.
 
+``--profile ROWS`` (layer level): after timing each of ``--profile-methods`` (default: kcp), every rank's
+profile of one step: wall time, kernel time and launches, and the ROWS costliest operators.
+
 ``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
 beside each kcp method on each --layouts (every rank), per model at the first --tokens, --docs and --heads.
 
@@ -133,6 +136,10 @@ def parse(argv=None):
     p.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                    help="do not tune the single-GPU shapes first, split over the ranks")
     p.add_argument("--budget", type=float, default=None, help="seconds; cases left after it are skipped")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="layer level: after timing --profile-methods, print each rank's profile of one step")
+    p.add_argument("--profile-methods", nargs="+", default=["kcp"], metavar="METHOD",
+                   help="layer-level methods: megatron, megatron-qla, noCP, cp2hp, cp2hp-qla, kcp")
     p.add_argument("--csv", default=None)
     p.add_argument("--png", default=None, help="default: next to --csv (needs matplotlib)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

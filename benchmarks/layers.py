@@ -4,7 +4,8 @@ Megatron's local layers; per --docs: one sequence ([s, b] batch, zigzag over CP)
 packed documents (PackedSeqParams, documents padded to multiples of 2W, Megatron's per-document zigzag
 over CP). megatron-core's rows run fla's kernels as the process's ``FLA_FLASH_QLA`` says (bench_ops.py:
 off unless set); where flash-qla runs the problem, ``megatron-qla`` and ``cp2hp-qla`` add them with fla
-handing the call to flash-qla, as megatron-core runs where flash-qla is installed."""
+handing the call to flash-qla, as megatron-core runs where flash-qla is installed. ``--profile ROWS``:
+after timing each of ``--profile-methods``, every rank's profile of one step."""
 from __future__ import annotations
 
 import contextlib
@@ -94,6 +95,8 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                 err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
                                             rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
                 rows = b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])
+                if args.profile and method in args.profile_methods:
+                    b.profile(step, f"layers {method} {model} H={H} T={T} {docs}", args.profile)
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why
             rows = b.failed(meta, ["fwd+bwd"], e)
         for r in rows:

@@ -68,7 +68,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import perdoc  # noqa: E402
 from benchmarks.common import (CONV, cu_seqlens, env, fresh_leaves, init_rank, measured_world, rel_err,  # noqa: E402
                                spawn)
-from benchmarks.timing import Bench, kernel_time  # noqa: E402
+from benchmarks.timing import Bench  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
@@ -173,39 +173,8 @@ class Case:
         ms, _ = self.b.measure(step)
         self.emit(level, method, width, ms, err, note, layout)
         if self.b.args.profile and method in self.b.args.profile_methods:
-            rank_profiles(self.b, step, f"{level} {method} {self.s.model} H={self.s.HV} T={self.T} {self.docs}",
-                          self.b.args.profile)
-
-
-def rank_profiles(b: Bench, step, what: str, rows: int):
-    """Every rank's torch.profiler table of one ``step``, printed in rank order: the wall time, the
-    kernels' summed time and count (their difference: the host and waits no kernel covers; a collective's
-    kernel counts its wait), and the ``rows`` costliest operators by device time."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
-    # a process's first profiler session sets up its buffers for milliseconds, at a different moment on
-    # each rank: the other ranks' collectives would count that wait. It runs once, untold.
-    if not b.profiled:
-        with profile(activities=activities):
-            step()
-            b.sync()
-        b.profiled = True
-    step()
-    b.sync()
-    dist.barrier()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        b.sync()
-        wall = (time.perf_counter() - t0) * 1e3
-    seconds, launches = kernel_time(prof)
-    head = (f"== profile {what} W={b.W} rank {b.rank}: wall {wall:.2f} ms, kernels "
-            f"{seconds * 1e3:.2f} ms in {launches} launches")
-    table = prof.key_averages().table(sort_by="cuda_time_total" if b.cuda else "cpu_time_total", row_limit=rows)
-    for r in range(b.W):
-        dist.barrier()
-        if r == b.rank:
-            print(f"{head}\n{table}", flush=True)
+            self.b.profile(step, f"{level} {method} {self.s.model} H={self.s.HV} T={self.T} {self.docs}",
+                           self.b.args.profile)
 
 
 def run_method(c: Case, level: str, method: str, fn):

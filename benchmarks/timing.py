@@ -85,7 +85,7 @@ class Bench:
         self.cuda = device.type == "cuda"
         self.dtype = getattr(torch, args.dtype)
         self.deadline = args.deadline
-        self.profiled = False           # a profiler session has run in this process (rank_profiles)
+        self.profiled = False           # a profiler session has run in this process (profile)
 
     def sync(self):
         if self.cuda:
@@ -129,6 +129,37 @@ class Bench:
         peak = (torch.cuda.max_memory_allocated() - base + input_bytes) / 2**20 if self.cuda else 0.0
         t = self.max_over_ranks(times + [peak])
         return statistics.median(t[:-1]), (t[-1] if self.cuda else math.nan)
+
+    def profile(self, step, what: str, rows: int):
+        """Every rank's torch.profiler table of one ``step``, printed in rank order: the wall time, the
+        kernels' summed time and count (their difference: the host and waits no kernel covers; a collective's
+        kernel counts its wait), and the ``rows`` costliest operators by device time."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        # a process's first profiler session sets up its buffers for milliseconds, at a different moment on
+        # each rank: the other ranks' collectives would count that wait. It runs once, untold.
+        if not self.profiled:
+            with profile(activities=activities):
+                step()
+                self.sync()
+            self.profiled = True
+        step()
+        self.sync()
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            step()
+            self.sync()
+            wall = (time.perf_counter() - t0) * 1e3
+        seconds, launches = kernel_time(prof)
+        head = (f"== profile {what} W={self.W} rank {self.rank}: wall {wall:.2f} ms, kernels "
+                f"{seconds * 1e3:.2f} ms in {launches} launches")
+        table = prof.key_averages().table(sort_by="cuda_time_total" if self.cuda else "cpu_time_total",
+                                          row_limit=rows)
+        for r in range(self.W):
+            dist.barrier()
+            if r == self.rank:
+                print(f"{head}\n{table}", flush=True)
 
     def exchange(self, step):
         """(received bytes, calls, ms of the collectives alone) of one call of ``step``."""

@@ -32,7 +32,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     path = out / "smoke.csv"
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "ops", "layers",
-                          "--warmup", "0", "--iters", "1", "--csv", str(path)],
+                          "--warmup", "0", "--iters", "1", "--profile", "2", "--csv", str(path)],
                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     with open(path, newline="") as f:
@@ -97,6 +97,17 @@ def test_layer_rows_of_megatron_core_compare_on_the_same_kernels():
     eff = {r["method"]: r["eff"] for r in table.rows}
     assert eff["cp2hp"] == 16.0 / 20 and eff["cp2hp-qla"] == 11.0 / 11 and eff["kcp"] == 14.0 / 16
     assert table.rows[-1]["x_cp2hp"] == 10.0 / 8
+
+
+def test_smoke_profiles_every_rank_of_the_layer_rows_named(smoke):
+    """--profile: each rank prints its profile of one step of the --profile-methods layer rows (kcp by
+    default), in rank order, after the row is timed; the op rows are not profiled."""
+    heads = [line for line in smoke[0].splitlines() if line.startswith("== profile ")]
+    assert [h.split(" W=2 rank ")[0] for h in heads] == [f"== profile layers kcp {m} H={H} T={T} {d}"
+                                                         for m in ("GDN", "KDA") for d in ("single", "varlen")
+                                                         for _ in range(W)], heads
+    assert [h.split(" rank ")[1].split(":")[0] for h in heads] == ["0", "1"] * 4, heads
+    assert all("kernels" in h and "launches" in h for h in heads), heads
 
 
 def test_plot_from_csv(smoke, tmp_path):
