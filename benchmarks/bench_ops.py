@@ -138,8 +138,8 @@ def parse(argv=None):
     p.add_argument("--budget", type=float, default=None, help="seconds; cases left after it are skipped")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="layer level: after timing --profile-methods, print each rank's profile of one step")
-    p.add_argument("--profile-methods", nargs="+", default=["kcp"], metavar="METHOD",
-                   help="layer-level methods: megatron, megatron-qla, noCP, cp2hp, cp2hp-qla, kcp")
+    p.add_argument("--profile-methods", nargs="+", default=["kcp"],
+                   choices=["megatron", "megatron-qla", "noCP", "cp2hp", "cp2hp-qla", "kcp"])
     p.add_argument("--csv", default=None)
     p.add_argument("--png", default=None, help="default: next to --csv (needs matplotlib)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -160,6 +160,8 @@ def parse(argv=None):
             args.docs = ["single"]
         if max(len(args.tokens), len(args.heads), len(args.docs)) > 1:
             p.error("--memory-only reports one case: give one --tokens, --heads and --docs value")
+    if args.profile and "layers" not in args.what:
+        p.error("--profile profiles layer rows: add --what layers (the op kernels' tables: --what profile)")
     if "noCP" not in args.methods:
         args.methods.append("noCP")                # every other row is measured against it
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)

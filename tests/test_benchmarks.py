@@ -217,6 +217,16 @@ def test_memory_only_parses_the_device_command():
         bench_ops.parse(["--memory-only", "--tokens", "1024", "2048"])
 
 
+def test_profile_refuses_what_it_cannot_profile(capsys):
+    """--profile profiles layer rows: without --what layers, or naming no layer method, an early error."""
+    assert bench_ops.parse(["--what", "layers", "--profile", "5", "--profile-methods", "cp2hp-qla"]).profile == 5
+    for argv in (["--profile", "5"], ["--what", "layers", "--profile", "5", "--profile-methods", "kcp-relay"]):
+        with pytest.raises(SystemExit):
+            bench_ops.parse(argv)
+    err = capsys.readouterr().err
+    assert "add --what layers" in err and "invalid choice: 'kcp-relay'" in err
+
+
 def test_memory_only_refuses_the_cpu_and_says_why():
     """It reads CUDA's peak-memory counters of fla's kernels: no CPU run, but a clear early exit."""
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), *_gpu_checks_memory_args(), "--device", "cpu"],
