@@ -4,11 +4,13 @@ Megatron's local layers; per --docs: one sequence ([s, b] batch, zigzag over CP)
 packed documents (PackedSeqParams, documents padded to multiples of 2W, Megatron's per-document zigzag
 over CP). megatron-core's rows run fla's kernels as the process's ``FLA_FLASH_QLA`` says (bench_ops.py:
 off unless set); where flash-qla runs the problem, ``megatron-qla`` and ``cp2hp-qla`` add them with fla
-handing the call to flash-qla, as megatron-core runs where flash-qla is installed. ``--profile ROWS``:
-after timing each of ``--profile-methods``, every rank's profile of one step."""
+handing the call to flash-qla, as megatron-core runs where flash-qla is installed. Our mixers' rows say
+in ``note`` what their op ran (``strategy S, core C`` as the ``KCP active`` line prints it). ``--profile
+ROWS``: after timing each of ``--profile-methods``, every rank's profile of one step."""
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 
@@ -34,6 +36,20 @@ def _packed(docs, T, W):
     def rows(t, cp, r):
         return t if cp == 1 else t[local_token_index(build_plan(cu, "zigzag_per_doc", cp, r)).to(t.device)]
     return params, rows
+
+
+@contextlib.contextmanager
+def _picks():
+    """What our op decides to run in the block: each ``Dispatch.describe()``, once (none for megatron-core's)."""
+    from megatron_kcp.ops import dispatch
+    seen, decide = {}, dispatch.decide
+
+    def spy(*args, **kwargs):
+        chosen = decide(*args, **kwargs)
+        seen[chosen.describe()] = None
+        return chosen
+    with mock.patch.object(dispatch, "decide", spy):
+        yield seen
 
 
 def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
@@ -89,12 +105,14 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                     y, _ = mod(leaf, None, packed_seq_params=packed)
                     y.backward(dyl)
                     return y
-                y = step().detach()                  # first call: output and input gradient against CP=1's
+                with _picks() as picks:
+                    y = step().detach()              # first call: output and input gradient against CP=1's
                 if y_ref is None:
                     y_ref, dx_ref = y, leaf.grad.clone()
                 err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
                                             rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
-                rows = b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])
+                rows = [dict(r, note="; ".join(picks)) for r in
+                        b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])]
                 if args.profile and method in args.profile_methods:
                     b.profile(step, f"layers {method} {model} H={H} T={T} {docs}", args.profile)
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why

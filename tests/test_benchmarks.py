@@ -99,6 +99,16 @@ def test_layer_rows_of_megatron_core_compare_on_the_same_kernels():
     assert table.rows[-1]["x_cp2hp"] == 10.0 / 8
 
 
+def test_smoke_layer_rows_of_our_mixers_say_what_their_op_ran(smoke):
+    """Our mixers' layer rows name the op's pick as the ``KCP active`` line does; megatron-core's none."""
+    layers = [r for r in smoke[1] if r["level"] == "layers" and r["pass"] == "fwd+bwd"]
+    ours = [r for r in layers if r["method"] in ("noCP", "kcp") or (r["model"] == "KDA" and r["method"] == "cp2hp")]
+    assert ours and all(r["note"].startswith("strategy ") and "core reference (PyTorch)" in r["note"]
+                        for r in ours), [(r["model"], r["method"], r["note"]) for r in ours]
+    assert all(r["note"].startswith("strategy cp2hp,") for r in ours if r["method"] == "cp2hp")   # KDA's, forced
+    assert all(r["note"] == "" or r["note"].startswith("n/a") for r in layers if r not in ours), layers
+
+
 def test_smoke_profiles_every_rank_of_the_layer_rows_named(smoke):
     """--profile: each rank prints its profile of one step of the --profile-methods layer rows (kcp by
     default), in rank order, after the row is timed; the op rows are not profiled."""
