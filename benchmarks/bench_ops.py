@@ -54,6 +54,9 @@ is spent, so a stopped stage still reports. ``--smoke`` runs tiny sizes on the C
 
 ``--profile ROWS`` (layer level): after timing each of ``--profile-methods`` (default: kcp), every rank's
 profile of one step: wall time, kernel time and launches, and the ROWS costliest operators.
+``--graph METHODS`` (layer level): after each of those rows, ``METHOD-graph``: the same fwd+bwd step,
+collectives included, captured once in a CUDA graph and replayed: the step without its host time, as
+Megatron's per-layer CUDA graphs run it; its eff and x_cp2hp are against the captured rows of its peers.
 
 ``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
 beside each kcp method on each --layouts (every rank), per model at the first --tokens, --docs and --heads.
@@ -89,6 +92,9 @@ from benchmarks.ops import run_ops  # noqa: E402
 from benchmarks.kernel_profile import run_profile  # noqa: E402
 from benchmarks.table import COLUMNS, Table, describe  # noqa: E402
 from benchmarks.timing import Bench  # noqa: E402
+
+
+LAYER_METHODS = ("megatron", "megatron-qla", "noCP", "cp2hp", "cp2hp-qla", "kcp")
 
 
 def worker(rank, W, port, args):
@@ -139,7 +145,10 @@ def parse(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="layer level: after timing --profile-methods, print each rank's profile of one step")
     p.add_argument("--profile-methods", nargs="+", default=["kcp"],
-                   choices=["megatron", "megatron-qla", "noCP", "cp2hp", "cp2hp-qla", "kcp"])
+                   choices=LAYER_METHODS)
+    p.add_argument("--graph", nargs="+", default=[], metavar="METHOD", choices=LAYER_METHODS,
+                   help="layer level: after each of these rows, METHOD-graph: its step captured in a CUDA graph "
+                        "and replayed (without host time)")
     p.add_argument("--csv", default=None)
     p.add_argument("--png", default=None, help="default: next to --csv (needs matplotlib)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -162,6 +171,9 @@ def parse(argv=None):
             p.error("--memory-only reports one case: give one --tokens, --heads and --docs value")
     if args.profile and "layers" not in args.what:
         p.error("--profile profiles layer rows: add --what layers (the op kernels' tables: --what profile)")
+    if args.graph and "layers" not in args.what:
+        p.error("--graph captures layer rows: add --what layers (the op's captured step: perdoc_measured.py "
+                "--methods kcp-graph)")
     if "noCP" not in args.methods:
         args.methods.append("noCP")                # every other row is measured against it
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)

@@ -6,7 +6,9 @@ over CP). megatron-core's rows run fla's kernels as the process's ``FLA_FLASH_QL
 off unless set); where flash-qla runs the problem, ``megatron-qla`` and ``cp2hp-qla`` add them with fla
 handing the call to flash-qla, as megatron-core runs where flash-qla is installed. Our mixers' rows say
 in ``note`` what their op ran (``strategy S, core C`` as the ``KCP active`` line prints it). ``--profile
-ROWS``: after timing each of ``--profile-methods``, every rank's profile of one step."""
+ROWS``: after timing each of ``--profile-methods``, every rank's profile of one step. ``--graph METHODS``:
+after each of those rows, ``METHOD-graph``: the same step (fwd+bwd, collectives included) captured once in a
+CUDA graph and replayed, which is the step without its host time; where capture fails, the row says why."""
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +38,22 @@ def _packed(docs, T, W):
     def rows(t, cp, r):
         return t if cp == 1 else t[local_token_index(build_plan(cu, "zigzag_per_doc", cp, r)).to(t.device)]
     return params, rows
+
+
+def _graphed(b: Bench, meta, step, check, note):
+    """The row of ``step`` captured once in a CUDA graph and replayed; ``check(y)``: the error of a replay's
+    output ``y`` (and of the input gradient it wrote)."""
+    from megatron_kcp.testing.graphs import capture
+    meta = dict(meta, method=f"{meta['method']}-graph", **{"pass": "fwd+bwd"})
+    if not b.cuda:
+        return [dict(meta, note="n/a on the CPU: CUDA graphs")]
+    try:
+        graph, y = capture(step, warmup=max(1, b.args.warmup))
+        ms, _ = b.measure(graph.replay)
+    except Exception as e:  # noqa: BLE001 - a module that cannot be captured: say why
+        return b.failed(meta, ["fwd+bwd"], e)
+    err = b.max_over_ranks([check(y.detach())])[0]
+    return [dict(meta, ms=ms, err=err, note="; ".join(filter(None, [note, "captured in a CUDA graph, replayed"])))]
 
 
 @contextlib.contextmanager
@@ -109,12 +127,16 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                     y = step().detach()              # first call: output and input gradient against CP=1's
                 if y_ref is None:
                     y_ref, dx_ref = y, leaf.grad.clone()
-                err = b.max_over_ranks([max(rel_err(y, rows_of(y_ref, cp, rank)),
-                                            rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))])[0]
+
+                def error(y, cp=cp):
+                    return max(rel_err(y, rows_of(y_ref, cp, rank)), rel_err(leaf.grad, rows_of(dx_ref, cp, rank)))
+                err = b.max_over_ranks([error(y)])[0]
                 rows = [dict(r, note="; ".join(picks)) for r in
                         b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])]
                 if args.profile and method in args.profile_methods:
                     b.profile(step, f"layers {method} {model} H={H} T={T} {docs}", args.profile)
+                if method in args.graph:
+                    rows += _graphed(b, meta, step, error, "; ".join(picks))
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why
             rows = b.failed(meta, ["fwd+bwd"], e)
         for r in rows:

@@ -28,12 +28,14 @@ class Table:
         case = ("level", "model", "pass", "tokens", "docs", "heads")
         same = [r for r in self.rows if all(r[c] == row[c] for c in case)]
         # layers: megatron-core's cp2hp against its own module at CP=1 where there is one (GDN; KDA has none),
-        # on the same kernels (``-qla``: fla handing its call to flash-qla)
-        bases = {"cp2hp": ("megatron", "noCP"), "cp2hp-qla": ("megatron-qla", "noCP")}.get(row["method"], ("noCP",))
+        # on the same kernels (``-qla``: fla handing its call to flash-qla); a captured row (``-graph``)
+        # against the captured rows of its peers
+        method, graph = row["method"].removesuffix("-graph"), "-graph" * row["method"].endswith("-graph")
+        bases = {"cp2hp": ("megatron", "noCP"), "cp2hp-qla": ("megatron-qla", "noCP")}.get(method, ("noCP",))
         bases = bases if row["level"] == "layers" else ("noCP",)
-        base = next((r["ms"] for m in bases for r in same if r["method"] == m), math.nan)
-        cp2hp = next((r["ms"] for r in same if r["method"] == "cp2hp" and r["W"] == row["W"]), math.nan)
-        if row["method"] == "cp2hp":
+        base = next((r["ms"] for m in bases for r in same if r["method"] == m + graph), math.nan)
+        cp2hp = next((r["ms"] for r in same if r["method"] == "cp2hp" + graph and r["W"] == row["W"]), math.nan)
+        if method == "cp2hp":
             cp2hp = row["ms"]
         if row["W"] == 1:
             base = row["ms"]                      # CP=1 rows are their own reference

@@ -32,7 +32,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     path = out / "smoke.csv"
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "ops", "layers",
-                          "--warmup", "0", "--iters", "1", "--profile", "2", "--csv", str(path)],
+                          "--warmup", "0", "--iters", "1", "--profile", "2", "--graph", "kcp", "--csv", str(path)],
                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     with open(path, newline="") as f:
@@ -52,8 +52,12 @@ def test_smoke_prints_and_writes_every_row(smoke):
     layers = {(r["model"], r["docs"], r["method"], r["W"]) for r in rows if r["level"] == "layers"}
     assert layers == {(m, d, *x) for d in ("single", "varlen") for m, x in
                       [("GDN", ("megatron", "1")), ("GDN", ("noCP", "1")), ("GDN", ("cp2hp", "2")),
-                       ("GDN", ("kcp", "2")), ("KDA", ("noCP", "1")), ("KDA", ("cp2hp", "2")), ("KDA", ("kcp", "2"))]}
+                       ("GDN", ("kcp", "2")), ("KDA", ("noCP", "1")), ("KDA", ("cp2hp", "2")), ("KDA", ("kcp", "2")),
+                       ("GDN", ("kcp-graph", "2")), ("KDA", ("kcp-graph", "2"))]}
     for r in rows:
+        if r["method"] == "kcp-graph":
+            assert r["note"] == "n/a on the CPU: CUDA graphs", r
+            continue
         megatron_gdn = r["model"] == "GDN" and r["method"] in ("megatron", "cp2hp")
         if r["level"] == "layers" and r["docs"] == "varlen" and megatron_gdn:
             assert r["note"].startswith("n/a on the CPU"), r      # megatron-core: packed sequences need fla
@@ -98,6 +102,13 @@ def test_layer_rows_of_megatron_core_compare_on_the_same_kernels():
     eff = {r["method"]: r["eff"] for r in table.rows}
     assert eff["cp2hp"] == 16.0 / 20 and eff["cp2hp-qla"] == 11.0 / 11 and eff["kcp"] == 14.0 / 16
     assert table.rows[-1]["x_cp2hp"] == 10.0 / 8
+    # captured rows (--graph) against the captured rows of their peers, not the eager ones
+    for method, w, ms in [("megatron-qla-graph", 1, 9.0), ("cp2hp-qla-graph", 2, 6.0), ("cp2hp-graph", 2, 7.0),
+                          ("kcp-graph", 2, 5.0)]:
+        table.add(dict(case, method=method, W=w, ms=ms))
+    graph = {r["method"]: (r["eff"], r["x_cp2hp"]) for r in table.rows[-4:]}
+    assert graph["cp2hp-qla-graph"][0] == 9.0 / 12 and math.isnan(graph["kcp-graph"][0])   # no noCP-graph row
+    assert graph["cp2hp-graph"][1] == 1.0 and graph["kcp-graph"][1] == 7.0 / 5
 
 
 def test_smoke_layer_rows_of_our_mixers_say_what_their_op_ran(smoke):
@@ -119,6 +130,15 @@ def test_smoke_profiles_every_rank_of_the_layer_rows_named(smoke):
                                                          for _ in range(W)], heads
     assert [h.split(" rank ")[1].split(":")[0] for h in heads] == ["0", "1"] * 4, heads
     assert all("kernels" in h and "launches" in h for h in heads), heads
+
+
+def test_smoke_captures_the_layer_rows_named(smoke):
+    """--graph kcp: a ``kcp-graph`` row after each kcp layer row, which on the CPU says why it has no time."""
+    layers = [(r["model"], r["docs"], r["method"], r["note"]) for r in smoke[1] if r["level"] == "layers"]
+    for i, (model, docs, method, _) in enumerate(layers):
+        if method == "kcp":
+            assert layers[i + 1] == (model, docs, "kcp-graph", "n/a on the CPU: CUDA graphs"), layers
+    assert sum(m == "kcp-graph" for _, _, m, _ in layers) == 4, layers
 
 
 def test_plot_from_csv(smoke, tmp_path):
@@ -236,6 +256,16 @@ def test_profile_refuses_what_it_cannot_profile(capsys):
             bench_ops.parse(argv)
     err = capsys.readouterr().err
     assert "add --what layers" in err and "invalid choice: 'kcp-relay'" in err
+
+
+def test_graph_refuses_what_it_cannot_capture(capsys):
+    """--graph captures layer rows: without --what layers, or naming no layer method, an early error."""
+    assert bench_ops.parse(["--what", "layers", "--graph", "cp2hp-qla", "kcp"]).graph == ["cp2hp-qla", "kcp"]
+    for argv in (["--graph", "kcp"], ["--what", "layers", "--graph", "kcp-graph"]):
+        with pytest.raises(SystemExit):
+            bench_ops.parse(argv)
+    err = capsys.readouterr().err
+    assert "--graph captures layer rows: add --what layers" in err and "invalid choice: 'kcp-graph'" in err
 
 
 def test_memory_only_refuses_the_cpu_and_says_why():
@@ -417,6 +447,15 @@ def test_perdoc_measured_profiles_every_rank():
     heads = [line for line in run.stdout.splitlines() if line.startswith("== profile ops kcp GDN")]
     assert [h.split(" rank ")[1].split(":")[0] for h in heads] == ["0", "1"], run.stdout[-2000:]
     assert all("kernels" in h and "launches" in h for h in heads), heads
+
+
+def test_smoke_captures_the_layer_rows_named(smoke):
+    """--graph kcp: a ``kcp-graph`` row after each kcp layer row, which on the CPU says why it has no time."""
+    layers = [(r["model"], r["docs"], r["method"], r["note"]) for r in smoke[1] if r["level"] == "layers"]
+    for i, (model, docs, method, _) in enumerate(layers):
+        if method == "kcp":
+            assert layers[i + 1] == (model, docs, "kcp-graph", "n/a on the CPU: CUDA graphs"), layers
+    assert sum(m == "kcp-graph" for _, _, m, _ in layers) == 4, layers
 
 
 def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
