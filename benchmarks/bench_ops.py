@@ -57,6 +57,8 @@ profile of one step: wall time, kernel time and launches, and the ROWS costliest
 ``--graph METHODS`` (layer level): after each of those rows, ``METHOD-graph``: the same fwd+bwd step,
 collectives included, captured once in a CUDA graph and replayed: the step without its host time, as
 Megatron's per-layer CUDA graphs run it; its eff and x_cp2hp are against the captured rows of its peers.
+``--kcp-parts N`` (layer level, GDN): rows ``kcp-partsN``, our mixer with its op's segments split into parts
+of N tokens on flash-qla's core instead of the kernels' pick (``--graph kcp`` captures them too).
 
 ``--what profile`` (kernel_profile.py) times nothing: torch.profiler's kernel table of one fwd+bwd, noCP
 beside each kcp method on each --layouts (every rank), per model at the first --tokens, --docs and --heads.
@@ -149,6 +151,8 @@ def parse(argv=None):
     p.add_argument("--graph", nargs="+", default=[], metavar="METHOD", choices=LAYER_METHODS,
                    help="layer level: after each of these rows, METHOD-graph: its step captured in a CUDA graph "
                         "and replayed (without host time)")
+    p.add_argument("--kcp-parts", type=int, nargs="+", default=[], metavar="N",
+                   help="layer level, GDN: also rows kcp-partsN, our op's segments split into parts of N tokens")
     p.add_argument("--csv", default=None)
     p.add_argument("--png", default=None, help="default: next to --csv (needs matplotlib)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -174,6 +178,10 @@ def parse(argv=None):
     if args.graph and "layers" not in args.what:
         p.error("--graph captures layer rows: add --what layers (the op's captured step: perdoc_measured.py "
                 "--methods kcp-graph)")
+    if args.kcp_parts and "layers" not in args.what:
+        p.error("--kcp-parts adds layer rows: add --what layers (the op's part length: host_time.py --max-segment)")
+    if any(n <= 0 for n in args.kcp_parts):
+        p.error(f"--kcp-parts {args.kcp_parts}: part lengths are positive token counts")
     if "noCP" not in args.methods:
         args.methods.append("noCP")                # every other row is measured against it
     args.deadline = time.time() + (args.budget if args.budget is not None else 1e9)

@@ -8,7 +8,9 @@ handing the call to flash-qla, as megatron-core runs where flash-qla is installe
 in ``note`` what their op ran (``strategy S, core C`` as the ``KCP active`` line prints it). ``--profile
 ROWS``: after timing each of ``--profile-methods``, every rank's profile of one step. ``--graph METHODS``:
 after each of those rows, ``METHOD-graph``: the same step (fwd+bwd, collectives included) captured once in a
-CUDA graph and replayed, which is the step without its host time; where capture fails, the row says why."""
+CUDA graph and replayed, which is the step without its host time; where capture fails, the row says why.
+``--kcp-parts N``: GDN rows ``kcp-partsN``, our mixer with its op's segments split into parts of N tokens
+on flash-qla's core (not the kernels' pick), beside the default's ``kcp``; ``--graph kcp`` captures them too."""
 from __future__ import annotations
 
 import contextlib
@@ -57,6 +59,22 @@ def _graphed(b: Bench, meta, step, check, note):
 
 
 @contextlib.contextmanager
+def _parts(tokens):
+    """Our op's segments split into parts of ``tokens`` where its caller leaves the split to the kernels'
+    pick (``max_segment=None``); None: the default's."""
+    from megatron_kcp.ops import dispatch
+    if not tokens:
+        yield
+        return
+    decide = dispatch.decide
+
+    def forced(plan, q, v, g, backend="auto", strategy="auto", max_segment=None, initial_state=None):
+        return decide(plan, q, v, g, backend, strategy, tokens if max_segment is None else max_segment, initial_state)
+    with mock.patch.object(dispatch, "decide", forced):
+        yield
+
+
+@contextlib.contextmanager
 def _picks():
     """What our op decides to run in the block: each ``Dispatch.describe()``, once (none for megatron-core's)."""
     from megatron_kcp.ops import dispatch
@@ -95,6 +113,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
         if qla_runs(dev, b.dtype, False, (args.head_dim, args.head_dim)):
             variants[1:1] = [("megatron-qla", 1, GatedDeltaNet, {})]
             variants[-1:-1] = [("cp2hp-qla", W, GatedDeltaNet, {})]
+        variants += [(f"kcp-parts{n}", W, KCPGatedDeltaNet, {"parts": n}) for n in args.kcp_parts]
     state, y_ref, dx_ref = None, None, None
     packed, rows_of = _packed(docs, T, W)
     for method, cp, cls, options in variants:
@@ -105,8 +124,9 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                            "runs packed sequences with fla's kernels only"))
             continue
         qla = env(FLA_FLASH_QLA="1") if method.endswith("-qla") else contextlib.nullcontext()
+        parts, options = options.get("parts"), {k: v for k, v in options.items() if k != "parts"}
         try:
-            with qla:                            # megatron-core's call handed to flash-qla, or not
+            with qla, _parts(parts):             # megatron-core's call handed to flash-qla, or not
                 mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls, **options)
                 mod = mod.to(b.dtype)
                 if state is None:
@@ -135,7 +155,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
                         b.rows(meta, lambda pas: step, {"fwd+bwd": leaf.nbytes + dyl.nbytes}, err, ["fwd+bwd"])]
                 if args.profile and method in args.profile_methods:
                     b.profile(step, f"layers {method} {model} H={H} T={T} {docs}", args.profile)
-                if method in args.graph:
+                if method.split("-parts")[0] in args.graph:
                     rows += _graphed(b, meta, step, error, "; ".join(picks))
         except Exception as e:  # noqa: BLE001 - e.g. megatron's module refusing a config: say why
             rows = b.failed(meta, ["fwd+bwd"], e)

@@ -160,6 +160,7 @@ class Bench:
             dist.barrier()
             if r == self.rank:
                 print(f"{head}\n{table}", flush=True)
+        dist.barrier()                  # the last rank's table printed before rank 0 prints its next row
 
     def exchange(self, step):
         """(received bytes, calls, ms of the collectives alone) of one call of ``step``."""

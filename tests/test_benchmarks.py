@@ -32,7 +32,8 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     path = out / "smoke.csv"
     run = subprocess.run([sys.executable, str(BENCH / "bench_ops.py"), "--smoke", "--what", "ops", "layers",
-                          "--warmup", "0", "--iters", "1", "--profile", "2", "--graph", "kcp", "--csv", str(path)],
+                          "--warmup", "0", "--iters", "1", "--profile", "2", "--graph", "kcp",
+                          "--kcp-parts", "32", "--csv", str(path)],
                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     with open(path, newline="") as f:
@@ -53,16 +54,18 @@ def test_smoke_prints_and_writes_every_row(smoke):
     assert layers == {(m, d, *x) for d in ("single", "varlen") for m, x in
                       [("GDN", ("megatron", "1")), ("GDN", ("noCP", "1")), ("GDN", ("cp2hp", "2")),
                        ("GDN", ("kcp", "2")), ("KDA", ("noCP", "1")), ("KDA", ("cp2hp", "2")), ("KDA", ("kcp", "2")),
-                       ("GDN", ("kcp-graph", "2")), ("KDA", ("kcp-graph", "2"))]}
+                       ("GDN", ("kcp-graph", "2")), ("KDA", ("kcp-graph", "2")), ("GDN", ("kcp-parts32", "2")),
+                       ("GDN", ("kcp-parts32-graph", "2"))]}
     for r in rows:
-        if r["method"] == "kcp-graph":
+        if r["method"].endswith("-graph"):
             assert r["note"] == "n/a on the CPU: CUDA graphs", r
             continue
         megatron_gdn = r["model"] == "GDN" and r["method"] in ("megatron", "cp2hp")
         if r["level"] == "layers" and r["docs"] == "varlen" and megatron_gdn:
             assert r["note"].startswith("n/a on the CPU"), r      # megatron-core: packed sequences need fla
             continue
-        ours = r["level"] == "layers" and (r["method"] in ("noCP", "kcp") or r["model"] == "KDA")
+        ours = r["level"] == "layers" and (r["method"] == "noCP" or r["method"].startswith("kcp")
+                                           or r["model"] == "KDA")
         assert r["note"].startswith("strategy ") if ours else r["note"] == "", r   # our op's pick, or nothing
         assert float(r["ms"]) > 0 and float(r["eff"]) > 0, r
         # every method computes the single-device function (fp32 reference kernels): cp2hp's
@@ -114,7 +117,8 @@ def test_layer_rows_of_megatron_core_compare_on_the_same_kernels():
 def test_smoke_layer_rows_of_our_mixers_say_what_their_op_ran(smoke):
     """Our mixers' layer rows name the op's pick as the ``KCP active`` line does; megatron-core's none."""
     layers = [r for r in smoke[1] if r["level"] == "layers" and r["pass"] == "fwd+bwd"]
-    ours = [r for r in layers if r["method"] in ("noCP", "kcp") or (r["model"] == "KDA" and r["method"] == "cp2hp")]
+    ours = [r for r in layers if r["method"] == "noCP" or re.fullmatch(r"kcp(-parts\d+)?", r["method"])
+            or (r["model"] == "KDA" and r["method"] == "cp2hp")]
     assert ours and all(r["note"].startswith("strategy ") and "core reference (PyTorch)" in r["note"]
                         for r in ours), [(r["model"], r["method"], r["note"]) for r in ours]
     assert all(r["note"].startswith("strategy cp2hp,") for r in ours if r["method"] == "cp2hp")   # KDA's, forced
@@ -133,12 +137,23 @@ def test_smoke_profiles_every_rank_of_the_layer_rows_named(smoke):
 
 
 def test_smoke_captures_the_layer_rows_named(smoke):
-    """--graph kcp: a ``kcp-graph`` row after each kcp layer row, which on the CPU says why it has no time."""
+    """--graph kcp: a ``-graph`` row after each of our kcp layer rows (the default's and ``kcp-partsN``),
+    which on the CPU says why it has no time."""
     layers = [(r["model"], r["docs"], r["method"], r["note"]) for r in smoke[1] if r["level"] == "layers"]
     for i, (model, docs, method, _) in enumerate(layers):
-        if method == "kcp":
-            assert layers[i + 1] == (model, docs, "kcp-graph", "n/a on the CPU: CUDA graphs"), layers
-    assert sum(m == "kcp-graph" for _, _, m, _ in layers) == 4, layers
+        if method in ("kcp", "kcp-parts32"):
+            assert layers[i + 1] == (model, docs, f"{method}-graph", "n/a on the CPU: CUDA graphs"), layers
+    assert [m for _, _, m, _ in layers if m.endswith("-graph")] == ["kcp-graph", "kcp-parts32-graph"] * 2 + \
+        ["kcp-graph"] * 2, layers
+
+
+def test_smoke_kcp_parts_rows_split_our_op_and_compute_the_same_function(smoke):
+    """--kcp-parts 32 (GDN): our mixer with its op's segments split into parts of 32 tokens, the split named
+    in ``note``, the output and input gradient those of CP = 1 (the parts chained by the all-gather's fold)."""
+    rows = [r for r in smoke[1] if r["level"] == "layers" and r["method"] == "kcp-parts32"]
+    assert [(r["model"], r["docs"]) for r in rows] == [("GDN", "single"), ("GDN", "varlen")], rows
+    for r in rows:
+        assert r["note"].endswith("segments split into parts of 32 tokens") and float(r["err"]) < 1e-5, r
 
 
 def test_plot_from_csv(smoke, tmp_path):
@@ -256,6 +271,16 @@ def test_profile_refuses_what_it_cannot_profile(capsys):
             bench_ops.parse(argv)
     err = capsys.readouterr().err
     assert "add --what layers" in err and "invalid choice: 'kcp-relay'" in err
+
+
+def test_kcp_parts_refuses_what_it_cannot_split(capsys):
+    """--kcp-parts adds layer rows of positive part lengths: otherwise an early error naming the fix."""
+    assert bench_ops.parse(["--what", "layers", "--kcp-parts", "2048", "4096"]).kcp_parts == [2048, 4096]
+    for argv in (["--kcp-parts", "2048"], ["--what", "layers", "--kcp-parts", "0"]):
+        with pytest.raises(SystemExit):
+            bench_ops.parse(argv)
+    err = capsys.readouterr().err
+    assert "--kcp-parts adds layer rows: add --what layers" in err and "positive token counts" in err
 
 
 def test_graph_refuses_what_it_cannot_capture(capsys):
@@ -447,15 +472,6 @@ def test_perdoc_measured_profiles_every_rank():
     heads = [line for line in run.stdout.splitlines() if line.startswith("== profile ops kcp GDN")]
     assert [h.split(" rank ")[1].split(":")[0] for h in heads] == ["0", "1"], run.stdout[-2000:]
     assert all("kernels" in h and "launches" in h for h in heads), heads
-
-
-def test_smoke_captures_the_layer_rows_named(smoke):
-    """--graph kcp: a ``kcp-graph`` row after each kcp layer row, which on the CPU says why it has no time."""
-    layers = [(r["model"], r["docs"], r["method"], r["note"]) for r in smoke[1] if r["level"] == "layers"]
-    for i, (model, docs, method, _) in enumerate(layers):
-        if method == "kcp":
-            assert layers[i + 1] == (model, docs, "kcp-graph", "n/a on the CPU: CUDA graphs"), layers
-    assert sum(m == "kcp-graph" for _, _, m, _ in layers) == 4, layers
 
 
 def test_perdoc_measured_marks_a_row_that_misses_the_one_device_run():
