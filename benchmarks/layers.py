@@ -76,7 +76,7 @@ def _parts(tokens):
 
 @contextlib.contextmanager
 def _picks():
-    """What our op decides to run in the block: each ``Dispatch.describe()``, once (none for megatron-core's)."""
+    """What our op decides to run in the mixer's step: each ``Dispatch.describe()``, once (none for megatron-core's)."""
     from megatron_kcp.ops import dispatch
     seen, decide = {}, dispatch.decide
 
