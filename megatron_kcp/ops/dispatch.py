@@ -68,7 +68,8 @@ QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: ab
 QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
 QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (BENCHMARKS.md)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
-QLA_SPLIT_MIN_PART = 4096     # tokens: shorter parts add exchange slots and fold steps where a step is host-bound
+QLA_SPLIT_MIN_PART = 4096     # tokens: the floor of a part, lowered only while the sequence holds at most...
+QLA_SPLIT_MAX_PARTS = 32      # ...this many parts: each adds states to the all-gather and a step to its fold
 # fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (BENCHMARKS.md):
 # faster or level where a rank holds 8k tokens (our step host-bound), level at 16k, level or slower at 64k
 FLA_CP_MAX_LOCAL = 16384      # tokens a rank
@@ -237,10 +238,14 @@ def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_
 def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
     """Where flash-qla's scans are latency-bound enough that the split's extra passes pay (heads x
     chains below ``QLA_SPLIT_BELOW``: one or two long segments a rank, even at 64 heads), the part
-    length (a multiple of the 64-token chunk, at least ``QLA_SPLIT_MIN_PART``) that splits the
-    busiest rank's stream into ``QLA_SPLIT_CHAINS`` scans; 0 where no split is needed or none pays (a
-    step too small to be anything but host-bound). On one long sequence, flash-qla's own intra-GPU
-    split (``autocp.decide``, its fitted kernel-time model) picks parts of the same order."""
+    length (a multiple of the 64-token chunk) that splits the busiest rank's stream into
+    ``QLA_SPLIT_CHAINS`` scans; 0 where no split is needed or none pays (a step too small to be
+    anything but host-bound, or segments no longer than ``QLA_SPLIT_MIN_PART``). Parts are at least
+    ``QLA_SPLIT_MIN_PART`` long, or a ``QLA_SPLIT_MAX_PARTS``-th of the sequence where that is
+    shorter: every part's state travels in the all-gather to every rank and steps its fold, so
+    shorter parts paid on the GPU runs where the sequence held 16 of them (W = 2 and 4) and lost
+    where it held 64 (W = 8, predicted; BENCHMARKS.md). On one long sequence, flash-qla's own
+    intra-GPU split (``autocp.decide``, its fitted kernel-time model) picks parts of the same order."""
     return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
 
 
@@ -253,8 +258,10 @@ def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, 
     if value_heads * chains >= QLA_SPLIT_BELOW or tokens * value_heads < QLA_SPLIT_MIN_WORK or \
             layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > QLA_MAX_INTERLEAVED:
         return 0
-    part = max(QLA_SPLIT_MIN_PART, -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64)
-    return part if part < longest else 0
+    part = -(-tokens * value_heads // (QLA_SPLIT_CHAINS * 64)) * 64
+    if max(part, QLA_SPLIT_MIN_PART) >= longest:
+        return 0
+    return max(part, min(QLA_SPLIT_MIN_PART, -(-cu_seqlens[-1] // (QLA_SPLIT_MAX_PARTS * 64)) * 64))
 
 
 def build_core(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor):

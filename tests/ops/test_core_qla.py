@@ -58,19 +58,23 @@ def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
 @pytest.mark.parametrize("docs,layout,tokens,W,heads,cut", [
     ("single", "contiguous", 32768, 1, 16, 4096), ("single", "contiguous", 65536, 2, 16, 4096),
     ("single", "zigzag", 65536, 2, 16, 4096), ("single", "zigzag_per_doc", 65536, 2, 16, 4096),
-    ("single", "contiguous", 32768, 2, 16, 4096), ("single", "zigzag", 32768, 2, 16, 4096),
-    ("single", "contiguous", 32768, 4, 16, 0), ("single", "contiguous", 32768, 1, 64, 16384),
+    ("single", "contiguous", 32768, 2, 16, 2048), ("single", "zigzag", 32768, 2, 16, 2048),
+    ("single", "zigzag", 49152, 2, 16, 3072), ("single", "zigzag", 32768, 4, 32, 2048),
+    ("single", "zigzag", 131072, 8, 16, 4096), ("single", "zigzag", 131072, 16, 32, 4096),
+    ("single", "contiguous", 32768, 4, 16, 0), ("single", "contiguous", 32768, 8, 64, 0),
+    ("single", "contiguous", 32768, 1, 64, 16384),
     ("single", "zigzag_per_doc", 32768, 2, 32, 4096), ("single", "zigzag_per_doc", 32768, 2, 64, 8192),
     ("varlen", "contiguous", 65536, 2, 16, 4096), ("varlen", "contiguous", 65536, 2, 32, 0),
     ("varlen", "contiguous", 65536, 2, 64, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
 def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
     """The one-H200 crossovers (``dispatch.qla_max_segment``): a rank with fewer than 80 scans (heads x
-    chains; one 16k segment at 16, 32 or 64 heads) has its segments split into parts of at least 4096
-    tokens that give it 128 (ten documents at 16 heads too: the longest is most of a rank); 8k a rank is
-    bound by the host's launches, and many documents, or ten at 32 heads (about 95 scans) or 64, give
-    qla enough scans for the split's extra passes not to pay."""
+    chains; one 16k segment at 16, 32 or 64 heads) has its segments split into parts that give it 128
+    (ten documents at 16 heads too: the longest is most of a rank), at least 4096 tokens long unless the
+    sequence then holds at most 32 parts (32k or 48k tokens; not 128k over 8 or 16 ranks); 8k a rank,
+    or segments of 4096, are bound by the host's launches, and many documents, or ten at 32 heads
+    (about 95 scans) or 64, give qla enough scans for the split's extra passes not to pay."""
     from benchmarks.common import cu_seqlens
-    plan = build_plan(cu_seqlens(docs, tokens, pad=4), layout, W, 0, 4)
+    plan = build_plan(cu_seqlens(docs, tokens, pad=2 * W), layout, W, 0, 4)
     assert dispatch.qla_max_segment(plan, heads) == cut
 
 
