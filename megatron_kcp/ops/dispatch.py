@@ -240,7 +240,7 @@ def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
     chains below ``QLA_SPLIT_BELOW``: one or two long segments a rank, even at 64 heads), the part
     length (a multiple of the 64-token chunk) that splits the busiest rank's stream into
     ``QLA_SPLIT_CHAINS`` scans; 0 where no split is needed or none pays (a step too small to be
-    anything but host-bound, or segments no longer than ``QLA_SPLIT_MIN_PART``). Parts are at least
+    anything but host-bound, or no segment longer than that part or ``QLA_SPLIT_MIN_PART``). Parts are at least
     ``QLA_SPLIT_MIN_PART`` long, or a ``QLA_SPLIT_MAX_PARTS``-th of the sequence where that is
     shorter: every part's state travels in the all-gather to every rank and steps its fold, so
     shorter parts paid on the GPU runs where the sequence held 16 of them (W = 2 and 4) and lost
