@@ -29,6 +29,22 @@ def env(**values):
         yield
 
 
+@contextlib.contextmanager
+def split_parts(tokens: int | None):
+    """Our op's segments split into parts of ``tokens`` (0: left whole) where its caller leaves the split
+    to the kernels' pick (``max_segment=None``); None: the kernels' pick."""
+    if tokens is None:
+        yield
+        return
+    from megatron_kcp.ops import dispatch
+    decide = dispatch.decide
+
+    def forced(plan, q, v, g, backend="auto", strategy="auto", max_segment=None, initial_state=None):
+        return decide(plan, q, v, g, backend, strategy, tokens if max_segment is None else max_segment, initial_state)
+    with mock.patch.object(dispatch, "decide", forced):
+        yield
+
+
 def _weights(n: int) -> list[float]:
     """``n`` document lengths (log-normal, fixed seed), as fractions of the stream."""
     w = torch.exp(0.8 * torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64))

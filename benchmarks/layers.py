@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import cu_seqlens, env, rel_err
+from benchmarks.common import cu_seqlens, env, rel_err, split_parts
 from benchmarks.table import Table
 from benchmarks.timing import Bench
 
@@ -56,22 +56,6 @@ def _graphed(b: Bench, meta, step, check, note):
         return b.failed(meta, ["fwd+bwd"], e)
     err = b.max_over_ranks([check(y.detach())])[0]
     return [dict(meta, ms=ms, err=err, note="; ".join(filter(None, [note, "captured in a CUDA graph, replayed"])))]
-
-
-@contextlib.contextmanager
-def _parts(tokens):
-    """Our op's segments split into parts of ``tokens`` where its caller leaves the split to the kernels'
-    pick (``max_segment=None``); None: the default's."""
-    from megatron_kcp.ops import dispatch
-    if not tokens:
-        yield
-        return
-    decide = dispatch.decide
-
-    def forced(plan, q, v, g, backend="auto", strategy="auto", max_segment=None, initial_state=None):
-        return decide(plan, q, v, g, backend, strategy, tokens if max_segment is None else max_segment, initial_state)
-    with mock.patch.object(dispatch, "decide", forced):
-        yield
 
 
 @contextlib.contextmanager
@@ -126,7 +110,7 @@ def layers_case(b: Bench, model, T, H, table, solo, docs="single"):
         qla = env(FLA_FLASH_QLA="1") if method.endswith("-qla") else contextlib.nullcontext()
         parts, options = options.get("parts"), {k: v for k, v in options.items() if k != "parts"}
         try:
-            with qla, _parts(parts):             # megatron-core's call handed to flash-qla, or not
+            with qla, split_parts(parts):             # megatron-core's call handed to flash-qla, or not
                 mod = build(m, config(m, shape, cp, **kw), solo if cp == 1 else mpu, dev.type, cls=cls, **options)
                 mod = mod.to(b.dtype)
                 if state is None:

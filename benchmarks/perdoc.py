@@ -28,7 +28,8 @@ d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``
 * peers of one part of the default, asked for by name (op level, :data:`BY_NAME`): ``kcp-foldloop``,
   the all-gather's fold in PyTorch, a launch a chain step (``gather.fold_reference``), beside the fold
   in one kernel; ``kcp-ownstart``, every sequence start on a state pass of its own, not the maps pass
-  (``AllGather.starts_through_maps``).
+  (``AllGather.starts_through_maps``); ``kcp-whole``, no segment split by the kernels' pick (``max_segment=0``:
+  ``dispatch.qla_max_segment``, ``dispatch.fla_max_segment``).
 
 Predicted (``source`` = predicted): every rank's step timed alone with its exchange stubbed and
 replayed over the fitted link (``simulate.py``), the slowest rank. Mixer level adds the mixer's
@@ -58,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import simulate  # noqa: E402
-from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves  # noqa: E402
+from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves, split_parts  # noqa: E402
 from benchmarks.table import COLUMNS  # noqa: E402
 from megatron_kcp.parallel.plan import build_plan  # noqa: E402
 
@@ -82,7 +83,7 @@ SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
 CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
 METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
            "kcp")
-BY_NAME = ("kcp-foldloop", "kcp-ownstart")     # the default with one part changed (peer): run only where asked for
+BY_NAME = ("kcp-foldloop", "kcp-ownstart", "kcp-whole")   # the default with one part changed: only where asked
 TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
 
 
@@ -90,7 +91,8 @@ def peer(method: str):
     """The patch that makes the default step the by-name peer ``method`` (:data:`BY_NAME`)."""
     from megatron_kcp.parallel import gather
     return {"kcp-foldloop": lambda: mock.patch.object(gather, "fold", gather.fold_reference),
-            "kcp-ownstart": lambda: mock.patch.object(gather.AllGather, "starts_through_maps", False)}[method]()
+            "kcp-ownstart": lambda: mock.patch.object(gather.AllGather, "starts_through_maps", False),
+            "kcp-whole": lambda: split_parts(0)}[method]()
 
 
 def inputs(s: Shape, T: int, dtype, dev, seed: int):

@@ -107,7 +107,7 @@ KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
 pool ops_poison_w4 tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
 KCP_GPU_BACKEND=qla KCP_GPU_MODELS=gdn \
   pool ops_poison_w4_qla tests/ops/test_kcp_cuda.py -k "cp_reads_no_unzeroed and 4]"
-pool ops_pieces tests/ops/test_kcp_cuda.py -k "qla_matches or single_device_call or split_segments or maps_match or head_groups"
+pool ops_pieces tests/ops/test_kcp_cuda.py -k "qla_matches or single_device_call or split_segments or maps_match or head_groups or middle_rank_split"
 pool ops_conv tests/ops/test_kcp_cuda.py -k conv_     # the conv's halo on every layout and both kernels: long
 pool layers_w4 tests/layers/test_layers_cuda.py -k "4-1-False or 4-2-True"
 pool layers_w2 tests/layers/test_layers_cuda.py -k "2-1-False or 2-2-True or fused_gate"

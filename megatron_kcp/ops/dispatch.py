@@ -34,7 +34,8 @@ rank's own tokens.
   ``KCP_STRATEGY`` is set, or where a backend or ``max_segment`` is named.
 * The split (``max_segment=None``): where flash-qla's scans would be latency-bound (a few long
   segments a rank), segments are split into parts that the all-gather chains
-  (:func:`qla_max_segment`).
+  (:func:`qla_max_segment`); on fla's kernels under the all-gather with maps, the one segment of a
+  zigzag layout's middle rank that is twice as long as any other rank's (:func:`fla_max_segment`).
 """
 from __future__ import annotations
 
@@ -178,6 +179,7 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
 
     def qla_here():
         return qla_runs(device, dtype, kda, head_dims)
+    kernels_pick = max_segment is None
     if max_segment is None:
         qla = backend == "qla" or backend == "auto" and cuda and qla_here()
         max_segment = qla_max_segment(plan, value_heads) if qla and strategy != "relay" else 0
@@ -196,7 +198,7 @@ def _decide(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
         backend = "qla" if not maps and qla_worth(plan, value_heads) and qla_here() else "fla"
     if backend == "qla" and maps and strategy == "auto":
         name = "relay"                   # qla's all-gather with maps lost to its relay on the GPU runs
-    return Dispatch(backend, name, 0)
+    return Dispatch(backend, name, fla_max_segment(plan) if kernels_pick and backend == "fla" and maps else 0)
 
 
 def op_bytes_per_token(qk_heads: int, value_heads: int, head_dims: tuple[int, int], kda: bool,
@@ -262,6 +264,24 @@ def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, 
     if max(part, QLA_SPLIT_MIN_PART) >= longest:
         return 0
     return max(part, min(QLA_SPLIT_MIN_PART, -(-cu_seqlens[-1] // (QLA_SPLIT_MAX_PARTS * 64)) * 64))
+
+
+def fla_max_segment(plan: KCPPlan) -> int:
+    """The part length that halves the zigzag middle rank's segment of one sequence under the all-gather on
+    fla's kernels; 0 elsewhere. In both zigzag layouts rank W - 1 holds chunks W - 1 and W, neighbours in
+    the stream, as one segment twice as long as any other rank's. fla's state passes run a program per
+    segment, head and value block along its chunks, so that rank's maps pass (M beside H), state pass
+    and state-gradient pass take twice as long as the others', whose two segments run side by side,
+    and every rank waits for it at the all-gathers. Cut at the chunk length, its segment runs as two
+    parts side by side, which the fold chains (one step more); every other segment stays whole. From
+    W = 3, where the other middle ranks export two states each way, the exchange keeps its slots; at
+    W = 2 the middle rank would export two states where it exports one, doubling the all-gather: no cut.
+    One sequence only, as measured (BENCHMARKS.md): with packed documents a rank's passes run many
+    segments side by side, and the longest is no longer the rank's time."""
+    cu, W = plan.global_cu_seqlens, plan.world_size
+    if plan.layout == "contiguous" or W < 3 or len(cu) != 2:
+        return 0
+    return cu[-1] // (2 * W)
 
 
 def build_core(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_kcp import environment
 from megatron_kcp.ops import dispatch
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan, split_segments
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
 from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
@@ -53,6 +53,27 @@ def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
         pick(zig, "qla", "relay", 128)
     with pytest.raises(ValueError, match="unknown KCP backend"):
         pick(zig, "flashqla")
+
+
+@pytest.mark.parametrize("layout,W,cu,cut", [
+    ("zigzag", 4, (0, 4096), 512), ("zigzag_per_doc", 8, (0, 131072), 8192), ("zigzag", 3, (0, 1536), 256),
+    ("zigzag", 2, (0, 4096), 0), ("contiguous", 4, (0, 4096), 0), ("zigzag_per_doc", 4, (0, 2048, 4096), 0)])
+def test_fla_cuts_the_zigzag_middle_rank_segment_of_one_sequence(layout, W, cu, cut):
+    """fla's core under the all-gather on one zigzag sequence from W = 3 (``dispatch.fla_max_segment``): every
+    rank picks the chunk length, which cuts the middle rank's double segment in two at its pieces' edge and
+    no other; no rank exports more states. At W = 2 (the middle rank's exports would double), on the
+    contiguous layout, with documents, for the relay and where the caller says 0: no cut."""
+    plans = [build_plan(cu, layout, W, r, 4) for r in range(W)]
+    assert [dispatch.fla_max_segment(p) for p in plans] == [cut] * W
+    assert pick(plans[0], "fla", "gather") == ("fla", "gather", cut)
+    assert pick(plans[0], "fla", "relay") == ("fla", "relay", 0)
+    assert pick(plans[0], "fla", "gather", 0) == ("fla", "gather", 0)
+    assert pick(plans[0], "auto", "gather") == ("reference", "gather", 0)
+    if cut:
+        split = [split_segments(p, cut) for p in plans]
+        assert [p.num_segments for p in split] == [p.num_segments for p in plans[:-1]] + [2]
+        assert split[-1].cu_seqlens == (0, cut, 2 * cut) and plans[-1].cu_seqlens == (0, 2 * cut)
+        assert (split[0].num_slots_fwd, split[0].num_slots_bwd) == (plans[0].num_slots_fwd, plans[0].num_slots_bwd)
 
 
 @pytest.mark.parametrize("docs,layout,tokens,W,heads,cut", [

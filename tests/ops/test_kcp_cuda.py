@@ -89,9 +89,10 @@ def _backend(kda, dtype):
 SPLIT = 96
 
 
-def _run(plan, group, xs, do, strategy, conv, backend="fla"):
+def _run(plan, group, xs, do, strategy, conv, backend="fla", max_segment=None):
     xs = [x.detach().clone().requires_grad_() for x in xs]
-    cut = dict(strategy="auto", max_segment=SPLIT) if strategy == "split" else dict(strategy=strategy)
+    cut = dict(strategy="auto", max_segment=SPLIT) if strategy == "split" else \
+        dict(strategy=strategy, max_segment=max_segment)
     o = kcp.gated_delta_rule(*xs, plan, group, use_qk_l2norm=True, backend=backend, **cut)
     conv_backend = "reference" if backend == "reference" else "auto"      # fla's Gluon kernels where they run
     return [o, *torch.autograd.grad(o, xs, do), *_conv(plan, group, *conv, conv_backend)]
@@ -439,6 +440,62 @@ def test_cp_matches_single_gpu(world_size):
     layouts = os.environ.get("KCP_GPU_LAYOUTS", ",".join(LAYOUTS)).split(",")
     dtypes = os.environ.get("KCP_GPU_DTYPES", "bfloat16,float32").split(",")
     spawn(_cp_vs_single, world_size, layouts, dtypes, os.environ.get("KCP_EVIDENCE_DIR"))
+
+
+def _middle_split(out_dir):
+    """One long-memory sequence in both zigzag layouts on fla's core under the all-gather, as the default
+    runs it from W = 3: the middle rank's double segment cut in two at the chunk edge (``fla_max_segment``),
+    both halves' maps folded. Against the fp64 reference, within 1.5x (+ a floor) of the one-GPU run's error,
+    bf16, GDN and KDA; and with the exchange off it must miss by 10x that bound."""
+    from megatron.core import parallel_state as ps
+    group = ps.get_context_parallel_group()
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    cu, dtype, lines, failed = (0, 2 * W * 320), torch.bfloat16, [], []
+    for kda in (False, True):
+        gen = torch.Generator().manual_seed(300 + W)
+        xs32 = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.float32, device="cuda")
+        do32 = torch.randn(1, cu[-1], HV, V, generator=gen).cuda()
+        conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
+                  torch.randn(1, cu[-1], 64, generator=gen).cuda()]
+        one = build_plan(cu, "contiguous", 1, 0, KS)
+        oracle = _run(one, None, xs32, do32, "relay", conv32, backend="reference")
+        xs, do, conv = [t.to(dtype) for t in xs32], do32.to(dtype), [t.to(dtype) for t in conv32]
+        single = _run(one, None, xs, do, "relay", conv, "fla")
+        bound = {n: 1.5 * rel_err(a, b) + 1e-3 for n, a, b in zip(NAMES, single, oracle)}
+        bound.update(conv_y=tolerance("conv_y", dtype, kda), dconv_x=tolerance("dconv_x", dtype, kda))
+        for layout in ("zigzag", "zigzag_per_doc"):
+            plan = build_plan(cu, layout, W, r, KS)
+            loc = shard(plan, *xs, do, conv[0], conv[2])
+            local_conv = [loc[6], conv[1], loc[7]]
+            picked = dispatch.decide(plan, loc[0], loc[2], loc[3], "fla", "gather")
+            assert picked == dispatch.Dispatch("fla", "gather", 320), picked
+            errs = _errors(_run(plan, group, loc[:5], loc[5], "gather", local_conv), oracle, single, plan, group)
+            whole = _errors(_run(plan, group, loc[:5], loc[5], "gather", local_conv, max_segment=0), oracle, single,
+                            plan, group)
+            restore = exchange_off("gather")
+            try:
+                off = _errors(_run(plan, group, loc[:5], loc[5], "gather", local_conv), oracle, single, plan, group)
+            finally:
+                restore()
+            tag = f"W={W} {layout} {'KDA' if kda else 'GDN'}"
+            for what, e in (("middle rank cut at 320", errs), ("whole (max_segment=0)", whole), ("off", off)):
+                lines.append(f"{tag} {what}: err=" + " ".join(f"{n}:{x:.1e}" for n, x in e.items()))
+            lines.append(f"{tag} bound: " + " ".join(f"{n}:{x:.1e}" for n, x in bound.items()))
+            if r == 0:
+                print("\n".join(lines[-4:]), flush=True)
+            over = {n: e for n, e in errs.items() if not e <= bound[n]}
+            weak = {n: off[n] for n in ("o", "dq", "dk", "dv", "dg", "dbeta") if not off[n] >= 10 * bound[n]}
+            failed += [f"{tag}: over the bound {over}"] * bool(over)
+            failed += [f"{tag}: without the exchange these still match: {weak}"] * bool(weak)
+    if r == 0 and out_dir:
+        with open(os.path.join(out_dir, f"middle_split_W{W}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    assert not failed, failed
+
+
+def test_middle_rank_split_matches_reference():
+    """The default's cut of the zigzag middle rank's segment on fla's core (W = 4: the split exists from W = 3)."""
+    spawn(_middle_split, 4, os.environ.get("KCP_EVIDENCE_DIR"))
 
 
 def _poisoned(layouts, dtype_names):
