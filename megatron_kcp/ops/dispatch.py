@@ -71,6 +71,9 @@ QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for it
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: the floor of a part, lowered only while the sequence holds at most...
 QLA_SPLIT_MAX_PARTS = 32      # ...this many parts: each adds states to the all-gather and a step to its fold
+# the cut of the zigzag middle rank's segment on fla's core (one sequence, predicted W = 8 and 16 runs): parts of
+# 8192 tokens measured faster (KDA, 128k at W = 8), parts of 4096 slower (W = 16: a rank's step bound by launches)
+FLA_SPLIT_MIN_PART = 8192     # tokens
 # fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (BENCHMARKS.md):
 # faster or level where a rank holds 8k tokens (our step host-bound), level at 16k, level or slower at 64k
 FLA_CP_MAX_LOCAL = 16384      # tokens a rank
@@ -276,12 +279,15 @@ def fla_max_segment(plan: KCPPlan) -> int:
     parts side by side, which the fold chains (one step more); every other segment stays whole. From
     W = 3, where the other middle ranks export two states each way, the exchange keeps its slots; at
     W = 2 the middle rank would export two states where it exports one, doubling the all-gather: no cut.
-    One sequence only, as measured (BENCHMARKS.md): with packed documents a rank's passes run many
-    segments side by side, and the longest is no longer the rank's time."""
+    Parts of at least ``FLA_SPLIT_MIN_PART`` tokens: shorter ones leave a rank's step bound by its
+    launches, where the cut's extra part costs more than its passes save. One sequence only, as
+    measured (BENCHMARKS.md): with packed documents a rank's passes run many segments side by side,
+    and the longest is no longer the rank's time."""
     cu, W = plan.global_cu_seqlens, plan.world_size
     if plan.layout == "contiguous" or W < 3 or len(cu) != 2:
         return 0
-    return cu[-1] // (2 * W)
+    part = cu[-1] // (2 * W)
+    return part if part >= FLA_SPLIT_MIN_PART else 0
 
 
 def build_core(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor):

@@ -56,13 +56,15 @@ def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
 
 
 @pytest.mark.parametrize("layout,W,cu,cut", [
-    ("zigzag", 4, (0, 4096), 512), ("zigzag_per_doc", 8, (0, 131072), 8192), ("zigzag", 3, (0, 1536), 256),
-    ("zigzag", 2, (0, 4096), 0), ("contiguous", 4, (0, 4096), 0), ("zigzag_per_doc", 4, (0, 2048, 4096), 0)])
+    ("zigzag", 4, (0, 65536), 8192), ("zigzag_per_doc", 8, (0, 131072), 8192), ("zigzag", 3, (0, 61440), 10240),
+    ("zigzag_per_doc", 16, (0, 131072), 0), ("zigzag", 4, (0, 32768), 0), ("zigzag", 2, (0, 65536), 0),
+    ("contiguous", 4, (0, 65536), 0), ("zigzag_per_doc", 4, (0, 65536, 131072), 0)])
 def test_fla_cuts_the_zigzag_middle_rank_segment_of_one_sequence(layout, W, cu, cut):
     """fla's core under the all-gather on one zigzag sequence from W = 3 (``dispatch.fla_max_segment``): every
     rank picks the chunk length, which cuts the middle rank's double segment in two at its pieces' edge and
-    no other; no rank exports more states. At W = 2 (the middle rank's exports would double), on the
-    contiguous layout, with documents, for the relay and where the caller says 0: no cut."""
+    no other; no rank exports more states. Not on chunks under 8192 tokens (128k over 16 ranks, 32k over 4:
+    a rank's step bound by its launches), at W = 2 (the middle rank's exports would double), on the
+    contiguous layout, with documents, for the relay and where the caller says 0."""
     plans = [build_plan(cu, layout, W, r, 4) for r in range(W)]
     assert [dispatch.fla_max_segment(p) for p in plans] == [cut] * W
     assert pick(plans[0], "fla", "gather") == ("fla", "gather", cut)
