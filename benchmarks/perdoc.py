@@ -146,7 +146,7 @@ def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
     tls = []
     for r in range(W):
         plan = build_plan(cu, "zigzag_per_doc", W, r, CONV)
-        tls.append(simulate.rank_timeline(plan, xs, do, "auto", "fla", args, fn=fn_of(plan)))
+        tls.append(simulate.rank_timeline(plan, xs, do, "auto", args.backend, args, fn=fn_of(plan)))   # labels only
         if args.profile:
             print(f"rank {r} timeline (ms): " + " ".join(f"{x[1] * 1e3:.2f}" if x[0] == "compute" else x[0]
                                                          for x in tls[-1]), flush=True)

@@ -64,7 +64,7 @@ def gated_delta_rule(q, k, v, g, beta, plan: KCPPlan, group=None, scale: float |
             and no initial state is passed; for KDA on a contiguous plan where a rank's step is
             host-bound, fla's own CP call) | ``fla-cp`` (fla's own CP call, on a contiguous plan).
         max_segment: split local segments into parts of at most this many tokens, chained by the
-            all-gather; 0 never; None where flash-qla's scans would be latency-bound.
+            all-gather; 0 never; None: the kernels' pick (``dispatch.qla_max_segment``, ``fla_max_segment``).
     Returns:
         o ``[1, T, HV, V]`` in v's dtype.
     """
