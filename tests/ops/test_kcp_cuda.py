@@ -365,6 +365,17 @@ def _errors(cp, oracle, single, plan, group):
     return dict(zip(errs, worst.tolist()))
 
 
+def _long_memory_problem(gen, cu, kda):
+    """fp32 long-memory inputs on the GPU (q, k, v, g, beta), the output gradient, a conv's input, weight and
+    output gradient, the one-GPU plan, and the fp64 reference's output and gradients on it (the oracle)."""
+    xs32 = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.float32, device="cuda")
+    do32 = torch.randn(1, cu[-1], HV, V, generator=gen).cuda()
+    conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
+              torch.randn(1, cu[-1], 64, generator=gen).cuda()]
+    one = build_plan(cu, "contiguous", 1, 0, KS)
+    return xs32, do32, conv32, one, _run(one, None, xs32, do32, "relay", conv32, backend="reference")
+
+
 def _cp_vs_single(layouts, dtype_names, out_dir):
     """Every layout, strategy (and cp2hp), dtype and model against the fp64 reference on one GPU. A CP run may be
     as far from it as fla's one-GPU run in the same dtype, with 1.5x (+ a floor) for rounding: the
@@ -380,12 +391,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
     for kda in [m == "kda" for m in models]:
         gen = torch.Generator().manual_seed(100 + W)
         cu = long_memory_cu(gen, W)
-        xs32 = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.float32, device="cuda")
-        do32 = torch.randn(1, cu[-1], HV, V, generator=gen).cuda()
-        conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
-                  torch.randn(1, cu[-1], 64, generator=gen).cuda()]
-        one = build_plan(cu, "contiguous", 1, 0, KS)
-        oracle = _run(one, None, xs32, do32, "relay", conv32, backend="reference")
+        xs32, do32, conv32, one, oracle = _long_memory_problem(gen, cu, kda)
         for dtype_name in dtype_names:
             dtype = getattr(torch, dtype_name)
             xs, do, conv = [t.to(dtype) for t in xs32], do32.to(dtype), [t.to(dtype) for t in conv32]
@@ -454,13 +460,7 @@ def _middle_split(out_dir):
     W, r = dist.get_world_size(group), dist.get_rank(group)
     cu, dtype, lines, failed = (0, 2 * W * 320), torch.bfloat16, [], []
     for kda in (False, True):
-        gen = torch.Generator().manual_seed(300 + W)
-        xs32 = long_memory_inputs(gen, cu, H, HV, K, V, kda, dtype=torch.float32, device="cuda")
-        do32 = torch.randn(1, cu[-1], HV, V, generator=gen).cuda()
-        conv32 = [torch.randn(1, cu[-1], 64, generator=gen).cuda(), (torch.randn(64, KS, generator=gen) * 0.5).cuda(),
-                  torch.randn(1, cu[-1], 64, generator=gen).cuda()]
-        one = build_plan(cu, "contiguous", 1, 0, KS)
-        oracle = _run(one, None, xs32, do32, "relay", conv32, backend="reference")
+        xs32, do32, conv32, one, oracle = _long_memory_problem(torch.Generator().manual_seed(300 + W), cu, kda)
         xs, do, conv = [t.to(dtype) for t in xs32], do32.to(dtype), [t.to(dtype) for t in conv32]
         single = _run(one, None, xs, do, "relay", conv, "fla")
         bound = {n: 1.5 * rel_err(a, b) + 1e-3 for n, a, b in zip(NAMES, single, oracle)}
