@@ -469,7 +469,7 @@ class fed_contiguous:  # noqa: N801 - used as a patch, like mock.patch
         inner = layout.move
 
         def move(hidden, cu, source, target, *rest):
-            if self.what == "mixer" or source == layout.SOURCE:
+            if self.what == "mixer" or source != layout.TARGET:
                 return hidden
             return inner(hidden, cu, source, target, *rest)
         self.patch = mock.patch.object(layout, "move", move)
@@ -489,10 +489,11 @@ def _built_with(patches, make):
 def kcp_note(c: Case, mod, what: str) -> str:
     """The default's pick at mixer or block level: the hidden states' layout (the cost model's, for the
     mixer alone or the block's run of three linear layers) and the op's decision there."""
+    from megatron_kcp.layers.batch import Batch
     from megatron_kcp.layers.layout import converts
     from megatron_kcp.ops import dispatch
     s, b = c.s, c.b
-    moved = converts(mod.config, c.cu, b.W, 1, 3 if what == "block" else 1)
+    moved = converts(mod.config, Batch(c.cu, "zigzag_per_doc", thd=True), b.W, 1, 3 if what == "block" else 1)
     plan = c.plans["contiguous" if moved else "zigzag_per_doc"]
     like = dict(device=b.device, dtype=b.dtype)
     q, v = torch.empty(1, 1, s.H, s.K, **like), torch.empty(1, 1, s.HV, s.K, **like)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from megatron_kcp import SPEC_NAMES, is_spec_name, split_spec_name
 from megatron_kcp.environment import te_available
+from megatron_kcp.layers.batch import megatron_route
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 
 # Megatron's --spec import passes over an ImportError (it logs it and trains its default GPT): what this
@@ -28,7 +29,7 @@ from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 NEEDS = "megatron_kcp needs megatron-core 0.19.x and its own dependencies (pip install -e <megatron_kcp checkout>)"
 try:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.module import MegatronModule
@@ -81,7 +82,11 @@ class HybridMixer(MegatronModule):
             raise ValueError("--recompute-modules layernorm needs TransformerEngine in megatron-core 0.19: drop "
                              "layernorm from --recompute-modules (core_attn and mlp work) or install TE")
         spec = submodules.linear if is_linear_layer(config, layer_number) else submodules.attention
-        return build_module(spec, config=config, layer_number=layer_number, **kwargs)
+        mixer = build_module(spec, config=config, layer_number=layer_number, **kwargs)
+        if config.context_parallel_size > 1 and megatron_route() == "zigzag":      # before the first step
+            from megatron_kcp.layers.layout import check_whole_stream
+            check_whole_stream(mixer, layer_number)
+        return mixer
 
 
 def gdn_mixer_spec(backend=None, module=None) -> ModuleSpec:
@@ -107,10 +112,11 @@ def attention_spec(backend=None) -> ModuleSpec:
     from megatron.core.models.backends import LocalSpecProvider
     backend = backend or backend_provider()
     core_attention = backend.core_attention()
+    from megatron_kcp.layers.attention import CPDotProductAttention, KCPSelfAttention
     if isinstance(backend, LocalSpecProvider):      # Megatron's local DotProductAttention refuses CP > 1
-        from megatron_kcp.layers.attention import CPDotProductAttention
         core_attention = CPDotProductAttention
-    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+    # SelfAttention, with RoPE right on a pack cut as one stream (--dataloader-inter-document-masking)
+    return ModuleSpec(module=KCPSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                       submodules=SelfAttentionSubmodules(
                           linear_qkv=backend.column_parallel_linear(), core_attention=core_attention,
                           linear_proj=backend.row_parallel_linear()))

@@ -93,7 +93,7 @@ def _stage_kinds(preset, extra, out):
     for vp in range(args.virtual_pipeline_model_parallel_size or 1):
         model = builder.build_model(ProcessGroupCollection.use_mpu_process_groups(),
                                     vp_stage=vp if args.virtual_pipeline_model_parallel_size else None)
-        kinds += [(layer.layer_number, "attn" if type(layer.self_attention).__name__ == "SelfAttention" else "kcp")
+        kinds += [(layer.layer_number, "attn" if type(layer.self_attention).__name__ == "KCPSelfAttention" else "kcp")
                   for layer in model.decoder.layers]
     torch.save(kinds, f"{out}.{ps.get_pipeline_model_parallel_rank()}")
 

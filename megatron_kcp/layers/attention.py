@@ -7,8 +7,9 @@ sequence (``get_batch_on_this_cp_rank``: 2W chunks, rank r holds chunks r and 2W
 K and V (one collective) over the CP group, puts the chunks in global order, and runs torch's
 ``scaled_dot_product_attention`` for each of its two query chunks against the keys up to that chunk's
 end, with a lower-right causal mask (flash / memory-efficient kernels on GPU). Backward reduce-scatters
-the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads. A THD pack
-(Megatron's per-document zigzag) attends each of the rank's pieces of each document to that
+the K and V gradients. Memory: every rank holds the full-length K and V of its TP heads. A THD pack, cut
+per document (``--sft``) or as one stream (``--dataloader-inter-document-masking``;
+:mod:`megatron_kcp.layers.batch` says which), attends each of the rank's pieces of each document to that
 document's gathered keys, the documents' causal work: on a GPU in fp16/bf16 one call of torch's varlen
 flash attention for all pieces, elsewhere one call a piece.
 """
@@ -22,11 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron_kcp.layers.batch import thd_cu_seqlens, thd_layout
 from megatron_kcp.parallel.comm import AllGatherSeq
 
 
@@ -133,16 +137,15 @@ class CPDotProductAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def _packed(self, query, key, value, packed_seq_params):
-        """A THD pack (Megatron squeezes its batch dim: ``[t, heads, d]``): each rank's tokens in Megatron's
-        per-document zigzag (or all of them at CP = 1); each query attends to the keys of its own
-        document up to itself. Keys and values are all-gathered and put in stream order; each of this
-        rank's pieces of a document (two a document under the zigzag) then attends, lower-right causal,
+        """A THD pack (Megatron squeezes its batch dim: ``[t, heads, d]``): each rank's tokens in the CP layout
+        Megatron cut them in (:func:`megatron_kcp.layers.batch.thd_layout`; all of them at CP = 1); each
+        query attends to the keys of its own document up to itself. Keys and values are all-gathered and
+        put in stream order; each of this rank's pieces of a document then attends, lower-right causal,
         to its document's keys up to the piece's end: the work of the documents' own causal attention,
         one call a piece. Returns ``[t, 1, heads * d]``."""
-        from megatron_kcp.layers.layout import thd_cu_seqlens
-        cu = thd_cu_seqlens(packed_seq_params)
+        cu, layout = thd_cu_seqlens(packed_seq_params), thd_layout(packed_seq_params, self.cp_size)
         rank = dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
-        pieces, order = _pack_pieces(cu, self.cp_size, rank, str(query.device))
+        pieces, order = _pack_pieces(cu, layout, self.cp_size, rank, str(query.device))
         t = sum(e - s for s, e, _ in pieces)
         if query.dim() != 3 or query.shape[0] != t:
             raise ValueError(f"THD query {tuple(query.shape)}: expected [{t}, heads, head_dim] (this rank's "
@@ -223,14 +226,71 @@ def _varlen_index(pieces, device: str):
 
 
 @functools.lru_cache(maxsize=64)
-def _pack_pieces(cu: tuple[int, ...], world_size: int, rank: int, device: str):
-    """This rank's pieces of a THD pack, in local order: its plan's segments (cut at document edges),
-    as ``(start, end, document start)`` in the stream; and (``world_size`` > 1) the gathered rows'
+def _pack_pieces(cu: tuple[int, ...], layout: str, world_size: int, rank: int, device: str):
+    """This rank's pieces of a THD pack in CP layout ``layout``, in local order: its plan's segments (cut
+    at document edges), as ``(start, end, document start)`` in the stream; and (``world_size`` > 1) the gathered rows'
     order: for each stream position, its row among the ranks' rows all-gathered in rank order (on
     ``device``, copied once; None at one rank)."""
     from megatron_kcp.parallel.plan import all_plans, local_token_index
-    plans = all_plans(cu, "zigzag_per_doc" if world_size > 1 else "contiguous", world_size)
+    plans = all_plans(cu, layout, world_size)
     p = plans[rank]
     pieces = tuple((s, s + b - a, cu[d]) for s, a, b, d in zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq))
     order = torch.argsort(torch.cat([local_token_index(p) for p in plans])).to(device) if world_size > 1 else None
     return pieces, order
+
+
+class KCPSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` that rotates a THD pack cut as one stream right.
+
+    megatron-core's THD RoPE under CP reads a rank's tokens as every document cut into 2 * CP chunks
+    (``--sft``); on the whole stream cut into 2 * CP chunks (``--dataloader-inter-document-masking``) it
+    splits the tokens at the wrong places (an error where a document is not a multiple of CP, wrong
+    positions where it is). There this module rotates q and k itself, each token at its position in its
+    document (:func:`stream_rope`), and hands the parent no rotary embedding; everything else is the parent's.
+    """
+
+    _rope = None            # (q, k) frequencies of this rank's tokens, for the forward in flight
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
+        rope = stream_rope(rotary_pos_emb, packed_seq_params, self.pg_collection.cp)
+        if rope is None:
+            return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        self._rope = rope
+        try:
+            return super().forward(hidden_states, *args, rotary_pos_emb=None, packed_seq_params=packed_seq_params,
+                                   **kwargs)
+        finally:
+            self._rope = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        out = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._rope is None:
+            return out
+        (q, k, *rest), (fq, fk) = out, self._rope        # [s, b, heads, d], after any q/k norm
+        rotate = functools.partial(apply_rotary_pos_emb, config=self.config, mscale=self._yarn_concentration_factor,
+                                   cp_group=self.pg_collection.cp)
+        return (rotate(q, fq) if fq is not None else q, rotate(k, fk) if fk is not None else k, *rest)
+
+
+def stream_rope(rotary_pos_emb, packed_seq_params, cp_group):
+    """(q, k) rotary frequencies ``[t, 1, 1, d]`` of this rank's tokens of a THD pack cut as one stream at
+    CP > 1, each token's row at its position in its document; None for every other batch (the parent's
+    RoPE is right there)."""
+    if rotary_pos_emb is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        return None
+    if cp_group.size() == 1 or thd_layout(packed_seq_params, cp_group.size()) != "zigzag":
+        return None
+    freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+    device = next(f for f in freqs if f is not None).device
+    rows = _in_document_positions(thd_cu_seqlens(packed_seq_params), cp_group.size(), cp_group.rank(), str(device))
+    return tuple(None if f is None else f.index_select(0, rows) for f in freqs)
+
+
+@functools.lru_cache(maxsize=64)
+def _in_document_positions(cu: tuple[int, ...], world_size: int, rank: int, device: str) -> torch.Tensor:
+    """Each of this rank's tokens' position in its document, the stream cut zigzag (on ``device``, built once)."""
+    from megatron_kcp.parallel.plan import all_plans
+    p = all_plans(cu, "zigzag", world_size)[rank]
+    return torch.cat([torch.arange(s - cu[d], s - cu[d] + b - a) for s, a, b, d in
+                      zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq)]).to(device)

@@ -69,10 +69,10 @@ class KCPGatedDeltaNet(GatedDeltaNet):
                 sequence_len_offset=None, *, inference_params=None, **kwargs):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("KCPGatedDeltaNet is a training module; inference is not supported")
-        hidden_states, layout, restore = mixer_input(self, hidden_states, packed_seq_params)
+        hidden_states, batch, restore = mixer_input(self, hidden_states, packed_seq_params)
         qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
         s, b, _ = qkvzba.shape
-        plan = packed_plan(packed_seq_params, s, b, self.kcp_size, self.conv_kernel_dim, self.kcp_group, layout)
+        plan = packed_plan(batch, s, b, self.conv_kernel_dim, self.kcp_group)
         # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
         qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
@@ -91,7 +91,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         else:
             g = -self.A_log.float().exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias.float())
             beta = beta.sigmoid()
-        announce(self, plan, q, v, g, packed_seq_params, self.tp_size)
+        announce(self, plan, batch, q, v, g, self.tp_size)
         # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
         o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group)      # q and k normalised above
         if fused:

@@ -250,12 +250,12 @@ class KCPKimiDeltaAttention(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None, **kwargs):
         if inference_context is not None:
             raise NotImplementedError("KCPKimiDeltaAttention is a training module; inference is not supported")
-        hidden_states, layout, restore = mixer_input(self, hidden_states, packed_seq_params)
+        hidden_states, batch, restore = mixer_input(self, hidden_states, packed_seq_params)
         q, k, v, f_low, b, g_low = (m(hidden_states)[0] for m in (
             self.q_proj, self.k_proj, self.v_proj, self.f_proj[0], self.b_proj, self.g_proj[0]))
         s, bsz = q.shape[:2]
         cp_group = self.pg_collection.cp
-        plan = packed_plan(packed_seq_params, s, bsz, cp_group.size(), self.conv_size, cp_group, layout)
+        plan = packed_plan(batch, s, bsz, self.conv_size, cp_group)
         T = bsz * s
 
         def stream(x):                       # [s, b, d] -> the packed local stream [1, b*s, d]
@@ -268,7 +268,7 @@ class KCPKimiDeltaAttention(MegatronModule):
         g = kda_gate(f, self.A_log, self.dt_bias)
         beta = stream(b).sigmoid()
         q, k, v = q.view(1, T, self.h_loc, self.K), k.view(1, T, self.h_loc, self.K), v.view(1, T, self.hv_loc, self.V)
-        announce(self, plan, q, v, g, packed_seq_params, self.pg_collection.tp.size(), self.strategy,
+        announce(self, plan, batch, q, v, g, self.pg_collection.tp.size(), self.strategy,
                  kda_gate_rank=self.gate_rank, kda_norm_eps=self.o_norm.eps)
         o = kcp.gated_delta_rule(q, k, v, g, beta, plan, cp_group, use_qk_l2norm=True, strategy=self.strategy)
         gate = stream(self.g_proj[1](g_low)[0]).view(1, T, self.hv_loc, self.V)

@@ -1,10 +1,12 @@
 """The layout of the hidden states around the linear mixers: convert only where the layout changes.
 
-Megatron hands a packed THD batch to every layer in the per-document zigzag layout (each document cut
-into 2W chunks, rank r holding chunks r and 2W-1-r), which softmax attention needs and which makes
-every document a chain over all CP ranks for a linear mixer. The hidden states (d_model per token,
-the smallest tensor of a layer) move to the contiguous layout, where at most W - 1 documents cross
-a rank edge, with one all-to-all (:mod:`megatron_kcp.parallel.relayout`):
+Megatron hands a packed THD batch to every layer in the layout it cut it in (:mod:`megatron_kcp.layers.batch`):
+with ``--sft`` the per-document zigzag (each document cut into 2W chunks, rank r holding chunks r and
+2W-1-r), which balances softmax attention and makes every document a chain over all CP ranks for a
+linear mixer; with ``--dataloader-inter-document-masking`` the whole stream cut into 2W chunks, where at
+most 2W - 1 documents cross a rank edge. The hidden states (d_model per token, the smallest tensor of a
+layer) move to the contiguous layout, where at most W - 1 documents cross a rank edge, with one
+all-to-all (:mod:`megatron_kcp.parallel.relayout`) where that pays:
 
 * in the hybrid specs, :class:`KCPTransformerLayer` keeps a run of consecutive linear layers (with
   their norms, MLPs and residuals, all per token) in the contiguous layout: the run's first layer
@@ -28,11 +30,11 @@ import os
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_kcp.layers.batch import Batch, batch_of
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, convert_pays
-from megatron_kcp.parallel.plan import capturing, check_cu_seqlens
 from megatron_kcp.parallel.relayout import check_tp_cp_group, relayout
 
-SOURCE, TARGET = "zigzag_per_doc", "contiguous"
+TARGET = "contiguous"
 
 
 def is_linear(config, layer_number: int) -> bool:
@@ -50,32 +52,6 @@ def run_of(config, layer_number: int) -> tuple[int, int]:
     return first, last
 
 
-def thd_cu_seqlens(packed_seq_params) -> tuple[int, ...] | None:
-    """The documents of a THD pack (``cu_seqlens_q_padded`` where given: Megatron's CP layout cuts the
-    padded documents), or None for a ``[s, b]`` batch."""
-    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-        return None
-    if capturing():
-        raise ValueError("a THD pack inside a CUDA graph: KCP plans its exchange from the documents' lengths on "
-                         "the host, and the graph would replay this batch's plan for every later batch. Keep the "
-                         "linear-attention layers out of the capture (cuda_graph_modules without 'attn'), or "
-                         "capture only steps without packed documents")
-    cu = packed_seq_params.cu_seqlens_q_padded
-    cu = cu if cu is not None else packed_seq_params.cu_seqlens_q
-    if cu is None:
-        raise ValueError("a THD pack needs its documents: set packed_seq_params.cu_seqlens_q (and "
-                         "cu_seqlens_q_padded where documents are padded to 2 * CP)")
-    return check_cu_seqlens(cu)
-
-
-def stream_cu(packed_seq_params, seq: int, batch: int, cp: int) -> tuple[int, ...] | None:
-    """The global cu_seqlens of Megatron's batch (None: several rows, not converted)."""
-    cu = thd_cu_seqlens(packed_seq_params)
-    if cu is not None:
-        return cu
-    return (0, seq * cp) if batch == 1 else None
-
-
 def hidden_bytes(config) -> int:
     return config.hidden_size * (torch.finfo(config.params_dtype).bits // 8)
 
@@ -87,17 +63,18 @@ def run_traffic(hidden_bytes_per_token: float, run_length: int) -> tuple[float, 
 
 
 @functools.lru_cache(maxsize=256)
-def _converts(cu, cp, heads, head_dim, bytes_per_token, messages, forced) -> bool:
-    return convert_pays(cu, SOURCE, cp, heads, head_dim, bytes_per_token, messages)
+def _converts(cu, source, cp, heads, head_dim, bytes_per_token, messages, forced) -> bool:
+    return convert_pays(cu, source, cp, heads, head_dim, bytes_per_token, messages)
 
 
-def converts(config, cu: tuple[int, ...] | None, cp: int, tp: int, run_length: int) -> bool:
+def converts(config, batch: Batch, cp: int, tp: int, run_length: int) -> bool:
     """Whether a run of ``run_length`` linear layers (1: a mixer on its own) runs in the contiguous layout
-    (what it moves: :func:`run_traffic`)."""
-    if cu is None or cp == 1:
+    (what it moves: :func:`run_traffic`); never for an ``[s, b]`` batch of several rows."""
+    if not batch.stream or cp == 1:
         return False
     heads = config.linear_num_value_heads // tp
-    return _converts(cu, cp, heads, config.linear_value_head_dim, *run_traffic(hidden_bytes(config), run_length),
+    return _converts(batch.cu, batch.source, cp, heads, config.linear_value_head_dim,
+                     *run_traffic(hidden_bytes(config), run_length),
                      os.environ.get(CONVERT_ENV))      # the override is part of the key
 
 
@@ -116,6 +93,34 @@ def move(hidden: torch.Tensor, cu: tuple[int, ...], source: str, target: str, gr
     return relayout([hidden.squeeze(1)], cu, source, target, group, tp)[0][:, None]
 
 
+def layer_batch(module, hidden_states, packed_seq_params) -> Batch:
+    """The :class:`Batch` a layer or mixer of ``module``'s process groups and config is handed."""
+    pg, config = module.pg_collection, module.config
+    tp = pg.tp.size() if config.sequence_parallel else 1
+    return batch_of(packed_seq_params, hidden_states.shape[0] * tp, hidden_states.shape[1], pg.cp.size())
+
+
+def check_whole_stream(mixer, layer_number: int) -> None:
+    """A mixer whose module takes only Megatron's per-document zigzag (TransformerEngine's THD attention,
+    megatron-core's own GatedDeltaNet) stops where a THD pack comes cut as one stream, naming the route
+    that works (the layer's forward checks each batch; the specs check at construction where Megatron's
+    arguments say --dataloader-inter-document-masking)."""
+    module = getattr(mixer, "core_attention", mixer)
+    name = type(module).__module__
+    if name.startswith("megatron.core.extensions.transformer_engine"):
+        raise ValueError(
+            f"layer {layer_number}: TransformerEngine's THD attention under CP reads every document as cut "
+            "into 2 * CP chunks (--sft) and, given the whole stream cut into 2 * CP chunks "
+            "(--dataloader-inter-document-masking), attends across the wrong tokens without an error. Train the "
+            "documents with --sft (each padded to a multiple of 2 * CP), or at --context-parallel-size 1; without "
+            "TransformerEngine the specs' own CP attention takes either cut")
+    if name.startswith("megatron.core.ssm"):
+        raise ValueError(
+            f"layer {layer_number}: megatron-core's {type(module).__name__} takes each document cut into "
+            "2 * CP chunks (--sft), and --dataloader-inter-document-masking cuts the whole stream; use --sft, or "
+            "the KCP mixers (--spec megatron_kcp gdn_hybrid_layer_spec), which take either cut")
+
+
 class KCPTransformerLayer(TransformerLayer):
     """Megatron's ``TransformerLayer``; in a run of linear layers it runs in the contiguous layout where
     that pays (see the module docstring). Its linear mixer is given the run (``mixer.layer_run``)."""
@@ -128,59 +133,58 @@ class KCPTransformerLayer(TransformerLayer):
         if self.linear:
             self.self_attention.layer_run = self.run
 
-    def layout(self, hidden_states, packed_seq_params) -> tuple[tuple[int, ...] | None, bool]:
-        """(cu_seqlens, whether this layer's run is converted)."""
+    def layout(self, hidden_states, packed_seq_params) -> tuple[Batch, bool]:
+        """(the batch Megatron hands this layer, whether this layer's run is converted)."""
+        batch = layer_batch(self, hidden_states, packed_seq_params)
+        if not self.linear:
+            return batch, False
         pg = self.pg_collection
-        tp = pg.tp.size() if self.config.sequence_parallel else 1
-        cu = stream_cu(packed_seq_params, hidden_states.shape[0] * tp, hidden_states.shape[1], pg.cp.size())
-        run_length = self.run[1] - self.run[0] + 1
-        return cu, converts(self.config, cu, pg.cp.size(), pg.tp.size(), run_length)
+        return batch, converts(self.config, batch, pg.cp.size(), pg.tp.size(), self.run[1] - self.run[0] + 1)
 
     def forward(self, hidden_states, *args, **kwargs):
+        batch, convert = self.layout(hidden_states, kwargs.get("packed_seq_params"))
         if not self.linear:
+            if batch.source == "zigzag" and batch.thd and self.pg_collection.cp.size() > 1:
+                check_whole_stream(self.self_attention, self.layer_number)
             return super().forward(hidden_states, *args, **kwargs)
-        cu, convert = self.layout(hidden_states, kwargs.get("packed_seq_params"))
         if not convert:
             return super().forward(hidden_states, *args, **kwargs)
         group, tp = conversion_group(self.pg_collection, self.config.sequence_parallel)
         if self.layer_number == self.run[0]:
-            hidden_states = move(hidden_states, cu, SOURCE, TARGET, group, tp)
+            hidden_states = move(hidden_states, batch.cu, batch.source, TARGET, group, tp)
         out, context = super().forward(hidden_states, *args, **kwargs)
         if self.layer_number == self.run[1]:
-            out = move(out, cu, TARGET, SOURCE, group, tp)
+            out = move(out, batch.cu, TARGET, batch.source, group, tp)
         return out, context
 
 
 def mixer_input(mixer, hidden_states, packed_seq_params):
-    """(the mixer's input in the layout it runs in, that layout (None: Megatron's), a function that
+    """(the mixer's input in the layout it runs in, its :class:`Batch` in that layout, a function that
     puts the mixer's output back in Megatron's). Inside a :class:`KCPTransformerLayer` the layer has
     moved its run already; a mixer on its own moves its input and output itself where that pays."""
     pg, config = mixer.pg_collection, mixer.config
-    tp = pg.tp.size() if config.sequence_parallel else 1
-    cu = stream_cu(packed_seq_params, hidden_states.shape[0] * tp, hidden_states.shape[1], pg.cp.size())
-    if not mixer.any_layout:
-        return hidden_states, None, lambda out: out
+    batch = layer_batch(mixer, hidden_states, packed_seq_params)
     run = getattr(mixer, "layer_run", None)
+    length = 1 if run is None else run[1] - run[0] + 1
+    if not mixer.any_layout or not converts(config, batch, pg.cp.size(), pg.tp.size(), length):
+        return hidden_states, batch, lambda out: out
     if run is not None:
-        converted = converts(config, cu, pg.cp.size(), pg.tp.size(), run[1] - run[0] + 1)
-        return hidden_states, TARGET if converted else None, lambda out: out
-    if not converts(config, cu, pg.cp.size(), pg.tp.size(), 1):
-        return hidden_states, None, lambda out: out
+        return hidden_states, batch.moved(TARGET), lambda out: out
     group, tp = conversion_group(pg, config.sequence_parallel)
 
     def back(out):
-        return move(out, cu, TARGET, SOURCE, group, tp)
-    return move(hidden_states, cu, SOURCE, TARGET, group, tp), TARGET, back
+        return move(out, batch.cu, TARGET, batch.source, group, tp)
+    return move(hidden_states, batch.cu, batch.source, TARGET, group, tp), batch.moved(TARGET), back
 
 
-def describe(mixer, plan) -> str:
+def describe(mixer, batch: Batch) -> str:
     """What the ``KCP active`` line says of the conversions (empty where none runs)."""
-    if plan.layout != TARGET or plan.world_size == 1:
+    if batch.layout == batch.source:
         return ""
     if getattr(mixer, "layer_run", None) is not None:
         config = mixer.config
         runs = sum(is_linear(config, n) and (n == 1 or not is_linear(config, n - 1))
                    for n in range(1, config.num_layers + 1))
-        return (f", hidden states moved from {SOURCE} at the edges of each run of linear layers: {2 * runs} "
+        return (f", hidden states moved to {batch.layout} at the edges of each run of linear layers: {2 * runs} "
                 "all-to-alls per forward, as many backward")
-    return f", hidden states moved from {SOURCE} by each mixer: 2 all-to-alls per layer and pass"
+    return f", hidden states moved to {batch.layout} by each mixer: 2 all-to-alls per layer and pass"

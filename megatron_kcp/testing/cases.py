@@ -109,3 +109,16 @@ def docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
     for x in lens:
         cu.append(cu[-1] + x)
     return tuple(cu)
+
+
+def raw_docs_cu(n: int, W: int, seed: int = 0) -> tuple[int, ...]:
+    """``n`` documents of odd lengths (1 to 24W - 1 tokens; one document: 120W), the last one stretched to
+    a multiple of 2W tokens in all: GPTDataset's raw documents, as --dataloader-inter-document-masking
+    packs them (the whole stream cut into 2W chunks)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [2 * W * 60] if n == 1 else (2 * torch.randint(0, 12 * W, (n,), generator=gen) + 1).tolist()
+    lens[-1] += -sum(lens) % (2 * W)
+    cu = [0]
+    for x in lens:
+        cu.append(cu[-1] + x)
+    return tuple(cu)

@@ -21,12 +21,15 @@ class Shape:
     batch: int = 2
     device: str = "cpu"
     tol: float = 1e-5
+    dtype: torch.dtype = torch.float32
 
 
 CPU = Shape()
 # fla's kernels: head dim 128 as in the op tests; fp32 with 3xTF32 products, except GDN's dq/dk/dg
 # backward on Hopper, which is TF32 (TILELANG_FP32_TOL in tests/ops/test_kcp_cuda.py)
 GPU = Shape(hidden=256, heads=(4, 4), head_dim=128, seq=1024, batch=1, device="cuda", tol=3e-3)
+GPU_BF16 = Shape(hidden=256, heads=(4, 4), head_dim=128, seq=1024, batch=1, device="cuda", tol=1e-2,
+                 dtype=torch.bfloat16)
 # the controls' gates: decay exp(-1e-3 softplus(.)) a token, so the state carried into a rank's piece
 # is a large part of its output (Megatron's initialisation, A in [1, 16], forgets within a few to tens of tokens)
 LONG_MEMORY_A_LOG = math.log(1e-3)
@@ -174,18 +177,67 @@ def compare_tp_cp(model: str, shape: Shape, tp: int, sequence_parallel: bool = F
     errs.update({"d" + n: rel_err(grads[n], ref_grads[n]) for n in grads})
     assert max(errs.values()) < shape.tol, errs
     if control and cp > 1:
-        from megatron_kcp.testing.checks import STRATEGIES, exchange_off, halo_off
-        for what, switch in (("state", lambda: exchange_off(*STRATEGIES, conv_halo=False)), ("halo", halo_off)):
-            restore = switch()
-            try:
-                with torch.no_grad():
-                    miss = torch.tensor(rel_err(mod(xl)[0], y_want), dtype=torch.float64, device=dev)
-            finally:
-                restore()
-            # a rank whose pieces all start sequences misses nothing: the worst rank's
-            dist.all_reduce(miss, op=dist.ReduceOp.MAX, group=ps.get_context_parallel_group())
-            errs[f"y {what} off"] = miss.item()
-            assert miss.item() >= 10 * shape.tol, (f"with the {what} exchange off the mixer misses by "
-                                                   f"{miss.item():.1e}, under 10x the bound {shape.tol}: the test "
-                                                   "cannot see that exchange")
+        errs.update(exchange_controls(lambda: mod(xl)[0], y_want, shape.tol))
+    return errs
+
+
+def exchange_controls(run, want, tol: float) -> dict:
+    """The negative controls of a CP mixer: ``run()`` (its forward on this rank) again with its state exchange
+    off, then with its conv halo off, must each miss ``want`` by at least 10x ``tol`` on the worst rank.
+    Returns those errors (``y state off``, ``y halo off``)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_kcp.testing.checks import STRATEGIES, exchange_off, halo_off
+    errs = {}
+    for what, switch in (("state", lambda: exchange_off(*STRATEGIES, conv_halo=False)), ("halo", halo_off)):
+        restore = switch()
+        try:
+            with torch.no_grad():
+                miss = torch.tensor(rel_err(run(), want), dtype=torch.float64, device=want.device)
+        finally:
+            restore()
+        # a rank whose pieces all start sequences misses nothing: the worst rank's
+        dist.all_reduce(miss, op=dist.ReduceOp.MAX, group=ps.get_context_parallel_group())
+        errs[f"y {what} off"] = miss.item()
+        assert miss.item() >= 10 * tol, (f"with the {what} exchange off the mixer misses by {miss.item():.1e}, "
+                                         f"under 10x the bound {tol}: the test cannot see that exchange")
+    return errs
+
+
+def compare_on_batch(model: str, shape: Shape, batch: dict, seq: int, control: bool = False,
+                     check: bool = True) -> dict:
+    """The mixer at this spawn's CP on ``batch`` (:func:`megatron_kcp.testing.batches.megatron_cut`: Megatron's
+    cut of a micro batch of documents, with each local token's stream position) against the CP = 1 mixer
+    on the whole stream with the same weights: output, input gradient and every parameter gradient
+    (fp32, ``shape.tol``). ``control``: long-memory gates and the exchange-off controls
+    (:func:`exchange_controls`). Returns the errors (``check=False``: without asserting the bound)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp.testing.batches import packed_seq_params
+    cp = ps.get_context_parallel_world_size()
+    cu = batch["cu_seqlens"][0]
+    whole = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    ref = build(model, config(model, shape), solo_pg(), shape.device)
+    if control:
+        with torch.no_grad():
+            ref.A_log.fill_(LONG_MEMORY_A_LOG)
+    gen = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(int(cu[-1]), 1, shape.hidden, generator=gen) for _ in range(2))
+    xr = x.clone().requires_grad_()
+    y_ref, _ = ref(xr, packed_seq_params=whole)
+    y_ref.backward(dy)
+    mod = build(model, config(model, shape, cp), ProcessGroupCollection.use_mpu_process_groups(), shape.device)
+    mod.load_state_dict(ref.state_dict())
+    where, params = batch["positions"], packed_seq_params(batch, seq)
+    xl = x[where].clone().requires_grad_()
+    y, _ = mod(xl, packed_seq_params=params)
+    y.backward(dy[where])
+    grads = reduced_grads(mod)
+    errs = {"y": rel_err(y, y_ref[where]), "dx": rel_err(xl.grad, xr.grad[where])}
+    errs.update({"d" + n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()})
+    assert max(errs.values()) < shape.tol or not check, errs
+    if control and cp > 1:
+        errs.update(exchange_controls(lambda: mod(xl, packed_seq_params=params)[0], y_ref[where], shape.tol))
     return errs

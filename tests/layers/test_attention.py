@@ -150,7 +150,7 @@ def test_varlen_flash_equals_per_piece_attention_on_gpu(heads, world_size):
     hq, hkv, d = heads
     cu = cu_seqlens("varlen100", 8192, 2 * world_size)
     for rank in range(world_size):
-        pieces, _ = attention._pack_pieces(cu, world_size, rank, "cuda")
+        pieces, _ = attention._pack_pieces(cu, "zigzag_per_doc", world_size, rank, "cuda")
         t = sum(e - s for s, e, _ in pieces)
         g = torch.Generator(device="cuda").manual_seed(rank)
         q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)

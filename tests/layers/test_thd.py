@@ -47,7 +47,7 @@ def test_thd_pack_refused_under_cuda_graph_capture():
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_kcp.layers import layout
+    from megatron_kcp.layers import batch as layout
     cu = torch.tensor([0, 8, 64], dtype=torch.int32)
     thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=56, max_seqlen_kv=56)
     assert layout.thd_cu_seqlens(thd) == (0, 8, 64)
