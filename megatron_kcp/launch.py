@@ -6,7 +6,9 @@
 
 The trainer is ``megatron_kcp.train`` (pip-installed megatron-core only), or Megatron-LM's
 ``pretrain_gpt.py`` with ``--megatron-lm DIR``. Inconsistent sizes (world size, heads, sequence
-length) fail here, before any process starts. Arguments after ``--`` go to the trainer unchanged.
+length) fail here, before any process starts. Arguments after ``--`` go to the trainer unchanged;
+the command trains on mock data unless they name data (``-- --data-path PREFIX --split 98,1,1
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``, a Megatron indexed dataset).
 
 A preset (configs/*.json) is a JSON object of Megatron's model sizes under their argument names
 (:data:`MODEL_KEYS`, positive integers; ``linear_attention_freq`` N >= 1 or a 0/1 list of
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 from megatron_kcp import split_spec_name
+from megatron_kcp.data import default_data_args
 from megatron_kcp.environment import no_te_args
 from megatron_kcp.sizes import check_head_dims, check_split
 
@@ -120,7 +123,9 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
     return world // (tp * cp * pp)
 
 
-def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -> list[str]:
+def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool, extra=()) -> list[str]:
+    """The trainer's arguments for preset ``p`` and this layout; mock data and NullTokenizer unless the
+    trainer's own arguments ``extra`` name data (--data-path ...) or a tokenizer (:func:`default_data_args`)."""
     args = ["--spec", "megatron_kcp", p.get("spec", DEFAULT_SPEC)]
     for key in MODEL_KEYS:
         if key in p and key not in ("vocab_size",):
@@ -131,7 +136,7 @@ def megatron_args(p: dict, tp: int, cp: int, pp: int, sequence_parallel: bool) -
              "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
              "--pipeline-model-parallel-size", str(pp),
              "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--untie-embeddings-and-output-weights", "--bf16", *default_data_args(extra),
              "--micro-batch-size", "1", "--lr", "3e-4", "--min-lr", "3e-5",
              "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
              "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000",
@@ -158,7 +163,7 @@ def build_command(a) -> list[str]:
         if not 0 <= a.node_rank < a.nnodes:
             raise ValueError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1} (--nnodes {a.nnodes})")
         run += [f"--node-rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}"]
-    model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel)
+    model = megatron_args(preset, a.tp, a.cp, a.pp, a.sequence_parallel, a.extra)
     if a.fp32:
         model.remove("--bf16")
     if a.megatron_lm:          # megatron_kcp.train adds these itself

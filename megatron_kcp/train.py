@@ -62,11 +62,13 @@ def validate_kcp_args(args):
     if getattr(args, "experimental_attention_variant", None):
         raise ValueError("--experimental-attention-variant selects megatron-core's own cp2hp mixer; "
                          "drop it, the KCP spec provides the linear mixers")
-    for flag in ("sft", "fim_data", "dataloader_inter_document_masking", "reset_attention_mask"):
-        if getattr(args, flag, False):       # batches with document boundaries need THD (cu_seqlens)
-            raise ValueError(f"--{flag.replace('_', '-')}: megatron_kcp.train feeds whole [b, s] sequences; "
-                             "for packed documents use Megatron-LM's pretrain_gpt.py with the KCP spec "
-                             "(the mixers take THD batches)")
+    for flag in ("sft", "fim_data"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--{flag.replace('_', '-')}: megatron_kcp.train trains on pretraining documents "
+                             "(GPTDataset); for SFT/FIM data use Megatron-LM's pretrain_gpt.py with the KCP spec")
+    if getattr(args, "reset_attention_mask", False):     # an s x s mask per sample, which no KCP layer reads
+        raise ValueError("--reset-attention-mask: the KCP layers take document boundaries as cu_seqlens, "
+                         "not as a mask: use --dataloader-inter-document-masking instead")
     if args.save and args.save_interval is None:     # Megatron would stop on a bare assert
         raise ValueError("--save needs --save-interval N (steps between checkpoints)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
@@ -90,12 +92,15 @@ def validate_kcp_args(args):
 def read_args(argv=None):
     """Megatron's argument parser with the plugin's options, and the plugin's checks (before
     Megatron's own). Defaults for a run without TransformerEngine (local layers, no TE fusions),
-    without a tokenizer file (NullTokenizer) and without the dataloader's attention mask."""
+    without the dataloader's attention mask, and, when no data is named, mock data (with
+    NullTokenizer unless a tokenizer is named); real data (--data-path ...) is checked by
+    :func:`megatron_kcp.data.check_data_args`."""
     from megatron.training import arguments
+
+    from megatron_kcp.data import check_data_args, default_data_args
     argv = list(sys.argv[1:] if argv is None else argv)
     argv += no_te_args(argv)       # Megatron's defaults assume TE's fused kernels
-    if "--tokenizer-type" not in argv:
-        argv += ["--tokenizer-type", "NullTokenizer"]
+    argv += default_data_args(argv)
     if "--no-create-attention-mask-in-dataloader" not in argv:     # s x s bytes per sample, read by no layer
         argv.append("--no-create-attention-mask-in-dataloader")    # of the KCP specs (causal by construction)
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]        # Megatron parses sys.argv
@@ -108,6 +113,7 @@ def read_args(argv=None):
                          "model arguments on the command line (megatron_kcp.launch builds them from a preset)")
     args.spec = normalize_spec(args.spec)
     validate_kcp_args(args)
+    check_data_args(args)
     return args
 
 
@@ -121,20 +127,33 @@ def parse_args(argv=None):
     return args
 
 
-# ---- the GPT training step, as pretrain_gpt.py does it for Megatron's [b, s] batches ----
+# ---- the GPT training step, as Megatron-LM's pretrain_gpt.py (core_r0.19.0) does it ----
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded",
+              "max_seqlen")
+
 
 def get_batch(data_iterator):
+    """This rank's micro batch, cut by megatron-core's own functions as pretrain_gpt.py cuts it: TP rank 0
+    reads and broadcasts, a micro batch of documents (``--dataloader-inter-document-masking``) is flattened
+    into one stream, and the CP cut is the whole-stream zigzag there (``use_per_sequence_balancing``), the
+    per-row zigzag otherwise. Returns the batch dict (:data:`BATCH_KEYS`)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.core.utils import (flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank,
+                                     get_batch_on_this_tp_rank)
     from megatron.training import get_args
     args = get_args()
-    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    documents = args.dataloader_inter_document_masking
+    first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
+    if not first_or_last and not documents:
+        return dict.fromkeys(BATCH_KEYS)
     batch = {}
     if ps.get_tensor_model_parallel_rank() == 0:
-        batch = {k: (v.to(torch.cuda.current_device(), non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in next(data_iterator).items()}
+        sample = next(data_iterator)
+        batch = {k: (sample[k].to(torch.cuda.current_device(), non_blocking=True) if sample.get(k) is not None
+                     else None) for k in BATCH_KEYS}
     batch = get_batch_on_this_tp_rank(
-        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        batch, has_cu_seqlens=documents, is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
         broadcast_group=ps.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
@@ -142,8 +161,28 @@ def get_batch(data_iterator):
         seq_length=args.seq_length, mtp_on_this_rank=False,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=ps.is_pipeline_first_stage(), is_pipeline_last_stage=ps.is_pipeline_last_stage())
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
-    return [batch.get(k) for k in keys]
+    batch = flatten_batch_for_packed_sequences(batch)
+    if not first_or_last:           # a middle stage needs the documents only
+        return {k: batch.get(k) if k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") else None
+                for k in BATCH_KEYS}
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group(),
+                                      use_per_sequence_balancing=documents)
+    return {k: batch.get(k) for k in BATCH_KEYS}
+
+
+def packed_seq_params(batch, seq_length: int):
+    """The THD ``PackedSeqParams`` pretrain_gpt.py builds from a batch with documents (None without)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu, padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+    if cu is None:
+        return None
+    cu = cu.squeeze(0)
+    padded = padded.squeeze(0) if padded is not None else None
+    given = padded if padded is not None else cu
+    max_seqlen = int(batch["max_seqlen"].max().item())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=given, cu_seqlens_kv=given, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                           tokens_per_sample=seq_length)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -156,27 +195,43 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, partial(loss_func, loss_mask)
+    from megatron.training import get_args
+    batch = get_batch(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch, get_args().seq_length))
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets (mock with --mock-data, else the indexed datasets of --data-path ...),
+    configured as pretrain_gpt.py's ``core_gpt_dataset_config_from_args``; with
+    --dataloader-inter-document-masking every sample carries its document boundaries (cu_seqlens)."""
     from megatron.core import parallel_state as ps
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-    from megatron.training import get_args
+    from megatron.training import get_args, get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
+    sequences_per_dataset = None
+    if args.per_dataset_sequences_path is not None:
+        with open(args.per_dataset_sequences_path) as f:
+            sequences_per_dataset = json.load(f)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
-        mmap_bin_files=args.mmap_bin_files)
-    built_here = lambda: ps.get_tensor_model_parallel_rank() == 0  # noqa: E731  (TP rank 0 reads, then broadcasts)
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens, fast_cache_load=args.dataloader_fast_cache_load,
+        sequences_per_dataset=sequences_per_dataset, defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        inter_document_masking=args.dataloader_inter_document_masking)
+    # TP rank 0 of every pipeline stage (get_batch reads there and broadcasts over TP; a middle stage reads
+    # the document boundaries with --dataloader-inter-document-masking)
+    built_here = lambda: ps.get_tensor_model_parallel_rank() == 0  # noqa: E731
     return BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset,
                                          train_val_test_num_samples, built_here, config).build()
 

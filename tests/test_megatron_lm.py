@@ -109,7 +109,7 @@ def _pretrain_gpt_builds(index, tmp_dir):
     model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
     mixer = "KCPKimiDeltaAttention" if index == 1 else "KCPGatedDeltaNet"
-    assert kinds == [mixer] * 3 + ["SelfAttention"], kinds
+    assert kinds == [mixer] * 3 + ["KCPSelfAttention"], kinds
     assert args.context_parallel_size == 2 and args.tokenizer_type == "NullTokenizer"
     if index == 1:
         first = model.decoder.layers[0].self_attention
@@ -147,9 +147,10 @@ def test_without_te_the_flags_are_needed(monkeypatch):
 LOCAL_MLM = pathlib.Path(os.environ.get("MEGATRON_LM") or ROOT / ".mlm")
 
 
-def _real_pretrain_gpt_step(index):
+def _real_pretrain_gpt_step(index, data=()):
     """Megatron-LM's own pretrain_gpt.py functions on the CPU (its .cuda() calls made no-ops): its
-    dataset provider and forward_step on the model its arguments build, against megatron_kcp.train's."""
+    dataset provider and forward_step on the model its arguments build, against megatron_kcp.train's.
+    ``data``: the data options that replace the README's mock data (an indexed dataset and its tokenizer)."""
     import importlib.util
 
     import torch
@@ -166,8 +167,12 @@ def _real_pretrain_gpt_step(index):
     pretrain_gpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pretrain_gpt)
     _, argv = _script_args(readme_commands()[index])
-    sys.argv = ["pretrain_gpt.py", *[a for a in argv if a != "--bf16"], "--use-cpu-initialization",
-                "--seq-length", "256", "--max-position-embeddings", "256"]
+    argv = [a for a in argv if a != "--bf16"]
+    if data:
+        i = argv.index("--tokenizer-type")
+        argv = [a for a in argv[:i] + argv[i + 2:] if a != "--mock-data"] + list(data)
+    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--seq-length", "256",
+                "--max-position-embeddings", "256"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     model_cfg = gpt_config_from_args(args)
     model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
@@ -178,7 +183,7 @@ def _real_pretrain_gpt_step(index):
         output, loss_func = forward_step(iter([torch.utils.data.default_collate([dataset[0]])]), model)
         loss, num_tokens, _ = loss_func(output)
         losses.append((loss.item(), num_tokens.item()))
-    assert losses[0] == losses[1] and losses[0][1] == 128, losses        # this rank's half of 256 tokens
+    assert losses[0] == losses[1] and (losses[0][1] == 128 or data), losses    # this rank's half of 256 tokens
 
 
 @pytest.mark.skipif(not (LOCAL_MLM / "pretrain_gpt.py").is_file(),
@@ -189,6 +194,22 @@ def test_real_pretrain_gpt_step_equals_the_entrys(index, monkeypatch, capfd):
     spawn(_real_pretrain_gpt_step, 2, index)
     mixer = "KCPKimiDeltaAttention (layer 1, kda_gate_rank=32" if index else "KCPGatedDeltaNet (layer 1)"
     assert f"[megatron_kcp] KCP active: {mixer}" in capfd.readouterr().out
+
+
+@pytest.mark.skipif(not (LOCAL_MLM / "pretrain_gpt.py").is_file(),
+                    reason="needs Megatron-LM's pretrain_gpt.py in .mlm/ or MEGATRON_LM (scripts/fetch_megatron_lm.sh)")
+@pytest.mark.parametrize("index", [0, 1])
+def test_real_pretrain_gpt_step_on_documents_equals_the_entrys(index, tmp_path, monkeypatch, capfd):
+    """pretrain_gpt.py --dataloader-inter-document-masking on an indexed dataset at CP = 2 (its GPTDataset, its
+    get_batch's whole-stream cut, its PackedSeqParams) gives megatron_kcp.train's loss on every rank."""
+    from megatron_kcp.testing.data import build_indexed_dataset, build_tokenizer_dir
+    tok = build_tokenizer_dir(tmp_path / "tok")
+    prefix = build_indexed_dataset(tmp_path / "docs", tok, 60)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    spawn(_real_pretrain_gpt_step, 2, index, ("--data-path", prefix, "--split", "100,0,0", "--tokenizer-type",
+                                              "HuggingFaceTokenizer", "--tokenizer-model", str(tok),
+                                              "--dataloader-inter-document-masking", "--eod-mask-loss"))
+    assert "THD packed documents, zigzag (--dataloader-inter-document-masking)" in capfd.readouterr().out
 
 
 @pytest.mark.slow

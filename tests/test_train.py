@@ -14,7 +14,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def _argv(preset="tiny-gdn.json", tp=1, cp=1, sp=False, *extra):
-    args = launch.megatron_args(launch.load_preset(CONFIGS / preset), tp, cp, 1, sp)
+    args = launch.megatron_args(launch.load_preset(CONFIGS / preset), tp, cp, 1, sp, extra)
     return args + ["--global-batch-size", "1", "--train-iters", "10", *extra]
 
 
@@ -44,7 +44,8 @@ def test_one_token_spec_is_the_default_hybrid():
     (["--linear-num-value-heads", "6"], "multiple of --linear-num-key-heads"),
     (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "KCP hybrids only"),
     (["--experimental-attention-variant", "gated_delta_net"], "cp2hp"),
-    (["--dataloader-inter-document-masking"], "pretrain_gpt.py with the KCP spec"),
+    (["--sft"], "pretrain_gpt.py with the KCP spec"),
+    (["--reset-attention-mask"], "use --dataloader-inter-document-masking"),
     (["--save", "/tmp/kcp-ckpt"], "--save needs --save-interval"),
     (["--spec", "megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=32", "--kda-gate-rank", "32"], "in the spec name"),
     (["--spec", "megatron_kcp.spec", "kda_hybrid_layer_spec:kda_gate_rank=32", "--kda-norm-eps", "1e-6"],
@@ -106,7 +107,7 @@ def _build_and_run(preset, extra):
     from megatron.training.training import get_train_valid_test_num_samples
     assert get_train_valid_test_num_samples()[0] == 10      # what pretrain() asks of the arguments first
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
-    assert kinds[0].startswith("KCP") and kinds[1] == "SelfAttention", kinds
+    assert kinds[0].startswith("KCP") and kinds[1] == "KCPSelfAttention", kinds
     if "kda" in args.spec[-1]:
         mixer = model.decoder.layers[0].self_attention
         assert mixer.f_proj[0].weight.shape[0] == 16 and mixer.o_norm.eps == 1e-6, mixer.options
