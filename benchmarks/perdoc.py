@@ -4,12 +4,14 @@
     python benchmarks/perdoc.py --shapes qwen3-next --tokens 131072 --cp 2 4 8 16 64 --levels ops
     python benchmarks/perdoc.py --smoke            # CPU, reference core, tiny sizes: checks the script
 
-Megatron's layout of a packed THD batch (per-document zigzag: every document cut into 2W chunks)
-against the peers, fwd+bwd, per shape (``--shapes``: ``qwen3-next`` GDN, 16 q/k and 32 v heads,
-K = V = 128, d_model 2048, attention 16 q / 2 kv heads of 256; ``kimi-linear`` KDA, 32 heads, K = V = 128,
-d_model 2304, attention 32 heads of 128 (MLA stood in by GQA-free attention); ``h64-gdn`` /
-``h64-kda``: 64 heads, op level), tokens T and documents (``single``, ``varlen`` 10, ``varlen100``,
-``varlen300``, each a multiple of 2W tokens). Methods:
+Megatron's layout of a packed THD batch (``--layouts``: the per-document zigzag of ``--sft``, every
+document cut into 2W chunks, by default; ``zigzag``, the whole stream cut into 2W chunks, as
+``--dataloader-inter-document-masking`` cuts it; ``contiguous``) against the peers, fwd+bwd, per
+shape (``--shapes``: ``qwen3-next`` GDN, 16 q/k and 32 v heads, K = V = 128, d_model 2048, attention
+16 q / 2 kv heads of 256; ``kimi-linear`` KDA, 32 heads, K = V = 128, d_model 2304, attention 32 heads
+of 128 (MLA stood in by GQA-free attention); ``h64-gdn`` / ``h64-kda``: 64 heads, op level), tokens T
+and documents (``single``, ``varlen`` 10, ``varlen100``, ``varlen300``, each a multiple of 2W tokens).
+Methods:
 
 * ``noCP``, ``noCP-qla``: the whole pack on one GPU (fla's call; flash-qla's for GDN), measured;
 * ``cp2hp``: megatron-core's all-to-all to head shards: the core on the whole pack with H/W heads
@@ -61,7 +63,7 @@ import torch  # noqa: E402
 from benchmarks import simulate  # noqa: E402
 from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves, split_parts  # noqa: E402
 from benchmarks.table import COLUMNS  # noqa: E402
-from megatron_kcp.parallel.plan import build_plan  # noqa: E402
+from megatron_kcp.parallel.plan import LAYOUTS, build_plan  # noqa: E402
 
 DOCS = ("single", "varlen", "varlen100", "varlen300")
 
@@ -141,11 +143,12 @@ def link(nbytes: float, W: int, args) -> float:
     return args.alpha_us * 1e-6 + nbytes * (W - 1) / W / (args.bw_gbs * 1e9)
 
 
-def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
-    """(slowest rank's simulated fwd+bwd seconds, bytes it sent) with ``fn_of(plan)`` each rank's step."""
+def predicted(cu, W, xs, do, fn_of, args, layout: str = "zigzag_per_doc") -> tuple[float, int]:
+    """(slowest rank's simulated fwd+bwd seconds, bytes it sent) with ``fn_of(plan)`` each rank's step on
+    its plan of ``layout``."""
     tls = []
     for r in range(W):
-        plan = build_plan(cu, "zigzag_per_doc", W, r, CONV)
+        plan = build_plan(cu, layout, W, r, CONV)
         tls.append(simulate.rank_timeline(plan, xs, do, "auto", args.backend, args, fn=fn_of(plan)))   # labels only
         if args.profile:
             print(f"rank {r} timeline (ms): " + " ".join(f"{x[1] * 1e3:.2f}" if x[0] == "compute" else x[0]
@@ -156,12 +159,12 @@ def predicted(cu, W, xs, do, fn_of, args) -> tuple[float, int]:
     return max(ends), sent
 
 
-def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: None):
+def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: None, layout="zigzag_per_doc"):
     """{method: (seconds, bytes sent, note)} of the core's CP step alone, for the methods asked for:
     ``kcp-op`` converts the op's own inputs where the cost model says so, ``kcp-contiguous`` runs on the
     contiguous plan (the mixers' conversions happen outside), ``mlm-op`` / ``mlm-contiguous`` are fla's CP
-    call with and without the op's conversion. A method that fails (out of memory) is left out, said.
-    ``done(key, result)`` is called as each finishes."""
+    call with and without the op's conversion, on the tokens in ``layout`` (Megatron's cut). A method that
+    fails (out of memory) is left out, said. ``done(key, result)`` is called as each finishes."""
     from megatron_kcp.ops import dispatch, kcp
     from megatron_kcp.parallel.convert import target_plan
     from megatron_kcp.parallel.cost_model import pipeline_depth
@@ -185,14 +188,14 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
     def run(method, fn_of, plan, env=None, text=None):
         try:
             with mock.patch.dict(os.environ, env or {}):
-                out[method] = (*predicted(cu, W, xs, do, fn_of, args), text or note(plan))
+                out[method] = (*predicted(cu, W, xs, do, fn_of, args, plan.layout), text or note(plan))
             done(method, out[method])
         except torch.OutOfMemoryError:
             print(f"{method}: out of memory", flush=True)
         finally:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    plan0, contiguous = build_plan(cu, "zigzag_per_doc", W, 0), build_plan(cu, "contiguous", W, 0)
+    plan0, contiguous = build_plan(cu, layout, W, 0), build_plan(cu, "contiguous", W, 0)
     if "kcp-noconvert" in want:
         run("kcp-noconvert", ours, plan0, {"KCP_CONVERT": "0"})
     if "kcp" in want:
@@ -343,8 +346,9 @@ def per_token_work(shape_name: str, s: Shape, tokens: int, what: str, dtype, dev
         return timed(step, args)
 
 
-def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype, write) -> None:
-    cu = cu_seqlens(docs, T, pad=2 * W)
+def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype, write,
+         layout: str = "zigzag_per_doc") -> None:
+    cu = cu_seqlens(docs, T, pad=2 * W)        # the same documents in every layout
     xs, do = inputs(s, T, dtype, dev, seed=T + W)
     backend = "reference" if args.smoke else args.backend
     want = set(args.methods)
@@ -372,7 +376,7 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
         eff = rows["noCP"][0] / (W * sec) if width > 1 and "noCP" in rows else 1.0 if width == 1 else ""
         x = rows["cp2hp"][0] / sec if "cp2hp" in rows and width > 1 else ""
         write(dict(base, level=level, method=method, W=width, ms=sec * 1e3, eff=eff, x_cp2hp=x, note=note,
-                   layout="-" if width == 1 else "contiguous" if method == "fla-cp" else "zigzag_per_doc",
+                   layout="-" if width == 1 else "contiguous" if method == "fla-cp" else layout,
                    **{"pass": "fwd+bwd"}))
 
     # op-level rows are written as each finishes (a run cut short keeps them); the others at the end
@@ -403,7 +407,7 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
     def core_done(key, result):
         if key in named and named[key] in want:
             op_row(named[key], result[0], W, result[2])
-    core = core_steps(s, cu, W, xs, do, args, backend, core_done)
+    core = core_steps(s, cu, W, xs, do, args, backend, core_done, layout)
 
     levels = {}                            # level: (per-token work at CP = W, at CP = 1, linear layers)
     if s.hidden and "mixer" in args.levels:
@@ -433,11 +437,11 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
         if "kcp-noconvert" in core:
             rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
         # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
-        from megatron_kcp.layers.layout import SOURCE, run_traffic
+        from megatron_kcp.layers.layout import run_traffic
         from megatron_kcp.parallel.cost_model import convert_pays
         if "kcp" not in want:
             pass
-        elif convert_pays(cu, SOURCE, W, s.HV, s.K, *run_traffic(s.hidden * e, layers)) and "kcp-contiguous" in core:
+        elif convert_pays(cu, layout, W, s.HV, s.K, *run_traffic(s.hidden * e, layers)) and "kcp-contiguous" in core:
             rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
                            f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
         elif "kcp-op" in core:
@@ -453,6 +457,9 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--docs", nargs="+", choices=DOCS, default=list(DOCS))
     p.add_argument("--cp", type=int, nargs="+", default=[2])
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["zigzag_per_doc"],
+                   help="the CP layouts Megatron hands the layers: zigzag_per_doc (--sft), zigzag "
+                        "(--dataloader-inter-document-masking), contiguous")
     p.add_argument("--levels", nargs="+", choices=["ops", "mixer", "block"], default=["ops", "mixer", "block"])
     p.add_argument("--methods", nargs="+", choices=METHODS + BY_NAME, default=list(METHODS))
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -487,13 +494,15 @@ def main(argv=None):
         for T in args.tokens:
             for docs in args.docs:
                 for W in args.cp:
-                    try:
-                        case(name, s, T, docs, W, args, dev, dtype, write)
-                    except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
-                        write(dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W,
-                                   note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
+                    for layout in args.layouts:
+                        try:
+                            case(name, s, T, docs, W, args, dev, dtype, write, layout)
+                        except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
+                            first = str(e).splitlines()[0][:160] if str(e) else ""
+                            write(dict(model=s.model, tokens=T, docs=docs, heads=s.HV, W=W, layout=layout,
+                                       note=f"error: {type(e).__name__}: {first}"))
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
 
 
 def row_writer(path):
@@ -506,8 +515,8 @@ def row_writer(path):
 
     def write(row):
         print(" ".join(f"{row.get(c, '')}" if not isinstance(row.get(c), float) else f"{row[c]:.4g}"
-                       for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "ms", "eff", "x_cp2hp",
-                                 "err", "note")), flush=True)
+                       for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "layout", "ms", "eff",
+                                 "x_cp2hp", "err", "note")), flush=True)
         if path:
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, columns, extrasaction="ignore").writerow(row)
