@@ -237,9 +237,10 @@ def test_whole_stream_layout_equals_cp1(model, what, monkeypatch):
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_whole_stream_layout_on_gpu_bf16(model, what, monkeypatch):
     """The same on one GPU in bf16 (fla's kernels, flash-qla's for GDN where installed), CP ranks over gloo,
-    1, 10 and 100 documents: CP's error against fp64 within 1.5x one GPU's; the mixer's controls miss by 10x."""
+    1, 10 and 100 documents (``KCP_GPU_DOCS``: a part): CP's error against fp64 within 1.5x one GPU's; the
+    mixer's controls miss by 10x."""
     monkeypatch.setenv("KCP_THD_LAYOUT", "zigzag")
-    spawn(_whole_stream, 2, model, what, (1, 10, 100), GPU_BF16)
+    spawn(_whole_stream, 2, model, what, _gpu_cases("1,10,100")[0], GPU_BF16)
 
 
 @pytest.mark.gpu
