@@ -42,10 +42,10 @@ def _on_megatron_batch(model, prefix, seq, mbs, layout, control, want_docs):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("cp,data,mbs,layout,convert,docs", [
     (2, "mixed", 1, "zigzag", "0", (2, 40)),
-    (2, "short", 2, "zigzag", "0", (60, 300)),          # two rows flattened into one stream
-    (4, "mixed", 2, "zigzag", "1", (4, 40)),            # moved to contiguous (whose edges here cut documents)
-    (2, "long", 1, "zigzag", "0", (1, 2)),               # the sample inside one document
+    (4, "mixed", 2, "zigzag", "1", (4, 40)),            # two rows flattened, moved to contiguous (whose edges cut)
     (2, "mixed", 1, "zigzag_per_doc", "1", (2, 40)),     # --sft's cut, moved to contiguous
+    pytest.param(2, "short", 2, "zigzag", "0", (60, 300), marks=pytest.mark.slow),     # up to 300 documents
+    pytest.param(2, "long", 1, "zigzag", "0", (1, 2), marks=pytest.mark.slow),         # inside one document
 ])
 def test_mixer_on_megatron_batches_equals_cp1(model, cp, data, mbs, layout, convert, docs, corpus, monkeypatch):
     """Long-memory gates; with the state exchange or the conv halo off the mixer misses by >= 10x the bound."""
