@@ -15,7 +15,7 @@ between forward and backward. fla's own CP all-gathers are stubbed alike. The co
 events (CPU: perf_counter), median over --iters after --warmup calls (fla autotunes in the warm-up).
 
 ``simulate`` replays all ranks' timelines side by side over a link of latency alpha and bandwidth bw
-(defaults: the fit to this project's 2 x H200 NVLink all-gathers, BENCHMARKS.md): a send delivers at
+(defaults: the fit to this project's 2 x H200 NVLink all-gathers, benchmarks/reports/): a send delivers at
 t + alpha + bytes/bw and does not stall the sender; a wait stalls until the peer's next message has
 arrived; an all-gather (ring) releases every rank at the last arrival + (W-1)(alpha + bytes/bw), an
 all-to-all at the last arrival + alpha + (W-1)/W bytes/bw. The

@@ -187,7 +187,8 @@ def _two_forwards(name, module):
 
 @pytest.mark.parametrize("module,name,expected", [
     ("megatron_kcp.spec", "gdn_hybrid_layer_spec", "KCPGatedDeltaNet (layer 1), CP size 2, TP size 1, layout "
-     "zigzag_per_doc ([s, b] rows, zigzag_per_doc), strategy gather, core reference (PyTorch), conv reference, layers local"),
+     "zigzag_per_doc ([s, b] rows, zigzag_per_doc), strategy gather, core reference (PyTorch), conv reference, "
+     "layers local"),
     ("megatron_kcp", "kda_hybrid_layer_spec:kda_gate_rank=16", "KCPKimiDeltaAttention (layer 1, kda_gate_rank=16, "
      "kda_norm_eps=1e-05), CP size 2, TP size 1, layout zigzag_per_doc"),
 ])

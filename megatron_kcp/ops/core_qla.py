@@ -62,7 +62,7 @@ def _maps_pass(k, v, a, g, b, cu_seqlens, num_chunks):
     pass from zero states. flash-qla's state-pass kernel, in the mode its own CP runs it (a chunk count
     per sequence and head given), computes M beside H in the same scan. That scan takes about as long
     as two plain passes, but nothing is filled for it: no zero values, identity states or zero initial
-    states (BENCHMARKS.md, host time). Its wrapper (``fused_gdr_h`` with ``num_warmup_chunks``) stores
+    states (benchmarks/reports/, host time). Its wrapper (``fused_gdr_h`` with ``num_warmup_chunks``) stores
     both in bf16 for flash-qla's exchange; the kernel is built here with fp32 outputs, as every state
     the step exchanges.
 
@@ -133,7 +133,7 @@ class GDNQLACore:
     fused = True                 # output and backward_rest run their own passes: a pass only for what leaves
     head_slices = True           # a pass on a head group copies its heads' inputs (see the module docstring)
     # a pass is one scan per head and sequence, latency-bound at the heads a rank holds: a group's pass
-    # takes about as long as all heads', so the pipeline does not pay (measured: BENCHMARKS.md)
+    # takes about as long as all heads', so the pipeline does not pay (measured: benchmarks/reports/)
     min_group_heads = None
     # a pass reads every state row of its range, or none (None to the kernel) where all are zero: with
     # many documents a range holds hundreds of rows, and a rank that receives no state (or sends no
@@ -250,7 +250,7 @@ class GDNQLACore:
                                                 scale=P.scale, cu_seqlens=cu)
         H, HV = k.shape[2], v.shape[2]
         if HV > H:       # grouped value heads: q/k gradients summed per q/k head, by flash-qla's kernel
-            # (torch's sum over the group dimension is slower: BENCHMARKS.md, the one-sequence profile)
+            # (torch's sum over the group dimension is slower: benchmarks/reports/, the one-sequence profile)
             dq, dk = K.group_reduce_vector(dq, H), K.group_reduce_vector(dk, H)
         dg = K.chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, zero_last_chunk=True)
         return dq, dk, dv, dg, db

@@ -20,7 +20,7 @@ rank's own tokens.
   Where the heads divide over the ranks, the stream moves to head shards instead (``cp2hp``:
   megatron-core's all-to-all of the same five tensors, then the core's single-device call on the
   whole stream, with no state to exchange), which the measured rows found faster than the contiguous
-  layout or about level with it wherever converting paid (BENCHMARKS.md); where no document is longer
+  layout or about level with it wherever converting paid (benchmarks/reports/); where no document is longer
   than a rank's share (so the call runs as many scans side by side as a rank's step), also where that
   move alone pays at its own price (no layout cost left, ``HEADS_CONVERT_BW``). Not where an initial state is
   passed (cp2hp takes none), inside a CUDA graph capture (the single-device varlen call reads
@@ -62,19 +62,19 @@ STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert", "fla-cp")
 # the strategies by name (``none``: no exchange, the core's single-device call)
 STRATEGIES: dict[str, ExchangeStrategy] = {s.name: s for s in (Relay(), AllGather(), CP2HP(), FlaCP(), SingleDevice())}
 
-# flash-qla against fla, fitted on GPU runs (BENCHMARKS.md): where a rank's scans are too few to fill
+# flash-qla against fla, fitted on GPU runs (benchmarks/reports/): where a rank's scans are too few to fill
 # the GPU, or its per-document segments too many, fla's kernels are faster
 QLA_MIN_CHAINS = 32           # heads x (local tokens / longest local segment): below, fla's kernels beat qla's
 QLA_MAX_INTERLEAVED = 64      # segments a rank holds on per-document zigzag: above, qla's covering passes lose
 QLA_SPLIT_CHAINS = 128        # scans a rank runs side by side once its segments are split (about one per SM)
-QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (BENCHMARKS.md)
+QLA_SPLIT_BELOW = 80          # heads x chains below which the split pays for its maps' passes (benchmarks/reports/)
 QLA_SPLIT_MIN_WORK = 1 << 18  # local tokens x heads: below, a split step is bound by its host launches
 QLA_SPLIT_MIN_PART = 4096     # tokens: the floor of a part, lowered only while the sequence holds at most...
 QLA_SPLIT_MAX_PARTS = 32      # ...this many parts: each adds states to the all-gather and a step to its fold
 # the cut of the zigzag middle rank's segment on fla's core (one sequence, predicted W = 8 and 16 runs): parts of
 # 8192 tokens measured faster (KDA, 128k at W = 8), parts of 4096 slower (W = 16: a rank's step bound by launches)
 FLA_SPLIT_MIN_PART = 8192     # tokens
-# fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (BENCHMARKS.md):
+# fla's CP call against our KDA step on the contiguous layout, measured in the KDA mixers (benchmarks/reports/):
 # faster or level where a rank holds 8k tokens (our step host-bound), level at 16k, level or slower at 64k
 FLA_CP_MAX_LOCAL = 16384      # tokens a rank
 
@@ -249,7 +249,7 @@ def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
     ``QLA_SPLIT_MIN_PART`` long, or a ``QLA_SPLIT_MAX_PARTS``-th of the sequence where that is
     shorter: every part's state travels in the all-gather to every rank and steps its fold, so
     shorter parts paid on the GPU runs where the sequence held 16 of them (W = 2 and 4) and lost
-    where it held 64 (W = 8, predicted; BENCHMARKS.md). On one long sequence, flash-qla's own
+    where it held 64 (W = 8, predicted; benchmarks/reports/). On one long sequence, flash-qla's own
     intra-GPU split (``autocp.decide``, its fitted kernel-time model) picks parts of the same order."""
     return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
 
@@ -281,7 +281,7 @@ def fla_max_segment(plan: KCPPlan) -> int:
     W = 2 the middle rank would export two states where it exports one, doubling the all-gather: no cut.
     Parts of at least ``FLA_SPLIT_MIN_PART`` tokens: shorter ones leave a rank's step bound by its
     launches, where the cut's extra part costs more than its passes save. One sequence only, as
-    measured (BENCHMARKS.md): with packed documents a rank's passes run many segments side by side,
+    measured (benchmarks/reports/): with packed documents a rank's passes run many segments side by side,
     and the longest is no longer the rank's time."""
     cu, W = plan.global_cu_seqlens, plan.world_size
     if plan.layout == "contiguous" or W < 3 or len(cu) != 2:

@@ -44,7 +44,7 @@ CONVERT_ENV = "KCP_CONVERT"
 # bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
 # buffer, put in place on arrival), a third of the link's BW: fitted on the measured op rows of
 # benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
-# contiguous documents (BENCHMARKS.md, packed documents measured)
+# contiguous documents (benchmarks/reports/, packed documents measured)
 CONVERT_BW = 100e9
 # the same for the op's move to head shards (megatron-core's all-to-all of q, k, v, g, beta and o, each way
 # packed in one pass and unpacked in one: parallel/cp2hp.py): least squares over the measured KDA op rows of
@@ -61,7 +61,7 @@ QLA_SAVES = 4.3e-9
 # the relay's pipeline over head groups
 GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
 # value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
-# groups of 16 heads, and two of 32, lost to one group on one long sequence (BENCHMARKS.md, the relay's
+# groups of 16 heads, and two of 32, lost to one group on one long sequence (benchmarks/reports/, the relay's
 # head groups on fla's core)
 MIN_GROUP_HEADS = 64
 
@@ -79,7 +79,7 @@ def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int 
     ``STATE_PASS`` a token whatever ``heads`` (which sizes the exchange's slots): with the cut's price
     fitted on top of it, this picks the faster layout for the measured GDN mixer at 32 heads, where a
     price scaled down to the heads and flash-qla's core would keep a long pack of few documents on
-    Megatron's layout, which the measured rows have slower (BENCHMARKS.md, the GDN mixer at 10
+    Megatron's layout, which the measured rows have slower (benchmarks/reports/, the GDN mixer at 10
     documents: convert or stay)."""
     plans = all_plans(cu_seqlens, layout, world_size)
     gather = 0.0

@@ -278,7 +278,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     it runs, so the cores' difference counts); where it moves to head shards, its time is the default's
     own row where one was timed, else the measured cp2hp row of that call (``cp2hp-qla`` for GDN,
     ``cp2hp`` for KDA), and the faster of all three steps is the yardstick. 10%: the spread of one case
-    between runs on two hosts of one kind (BENCHMARKS.md, packed documents, run to run), where the steps
+    between runs on two hosts of one kind (benchmarks/reports/, packed documents, run to run), where the steps
     are close; a wrong pick where they are not loses 1.2x to 3x."""
     import csv
     from pathlib import Path
@@ -400,7 +400,7 @@ def test_head_shard_price_fits_the_measured_rows():
 def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
     """Priced by the exchange it saves alone, the move to head shards would pay on one long sequence, where
     the single-device call at HV / W heads runs latency-bound scans (one 128k sequence at W = 2: 23.64 ms
-    on head shards against 8.97, BENCHMARKS.md); the op weighs it at its own price only where no document
+    on head shards against 8.97, benchmarks/reports/); the op weighs it at its own price only where no document
     is longer than a rank's share, so there it keeps its split step. 100 documents (Kimi-Linear, W = 2)
     move."""
     from benchmarks.common import cu_seqlens

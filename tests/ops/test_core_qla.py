@@ -107,7 +107,7 @@ def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W
     ("single", "contiguous", 64, True), ("single", "zigzag", 64, True), ("varlen", "zigzag_per_doc", 64, True),
     ("varlen100", "zigzag", 64, True), ("varlen100", "zigzag_per_doc", 64, False)])
 def test_auto_takes_qla_where_it_measured_faster(docs, layout, heads, worth):
-    """The crossovers of the 2 x H200 runs (BENCHMARKS.md): one long segment a rank at 16 heads leaves qla's
+    """The crossovers of the 2 x H200 runs (benchmarks/reports/): one long segment a rank at 16 heads leaves qla's
     scans latency-bound; documents or 64 heads do not; 200 interleaved segments a rank cost its covering passes."""
     from benchmarks.common import cu_seqlens
     plan = build_plan(cu_seqlens(docs, 32768, pad=4), layout, 2, 0, 4)

@@ -128,7 +128,7 @@ def test_strategy_choice(monkeypatch):
 
 def test_strategy_model_against_the_predicted_steps(monkeypatch):
     """The cost model against what it was fitted to: the one-GPU predictions of every W = 2 to 64 case
-    with both strategies (benchmarks/results/, BENCHMARKS.md). It must take the faster one, or one
+    with both strategies (benchmarks/results/, benchmarks/reports/). It must take the faster one, or one
     within 5%, in 73 of the 78 cases, and never lose more than 20%."""
     import csv
     from pathlib import Path
