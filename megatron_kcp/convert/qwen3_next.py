@@ -61,7 +61,9 @@ class Qwen3Next(Family):
         # Qwen3.5's mrope sections all see the same position for text: plain RoPE
         percent = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
         base = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        return float(percent), float(base)
+        if float(base) != int(base):
+            self.refuse("rope_theta", base, "Megatron-LM's --rotary-base takes an integer")
+        return float(percent), int(base)
 
     def check(self) -> None:
         c = self.text()

@@ -222,3 +222,45 @@ def test_converted_checkpoint_loads_at_tp2_and_cp2(family, parallel, converted):
         spawn(_tp_logits, 2, megatron_dir, toks, ref, tp=2)
     else:
         spawn(_cp_logits, 2, megatron_dir, toks, ref)
+
+
+def _megatron_lm_load(megatron_dir, extra):
+    """megatron_kcp.train's parser on megatron_args.txt (+ --load DIR --finetune), the model its config builds,
+    and Megatron-LM's own load_checkpoint: every weight as the converter wrote it."""
+    import shlex
+
+    import megatron.training.checkpointing as ckpt
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kcp import train
+    from megatron_kcp.testing import megatron_cpu
+    megatron_cpu.enable()
+    with open(os.path.join(megatron_dir, "megatron_args.txt")) as f:
+        flags = shlex.split(f.read())
+    args = train.parse_args(flags + ["--load", megatron_dir, "--finetune", "--micro-batch-size", "1",
+                                     "--global-batch-size", "1", "--seq-length", str(SEQ), "--train-iters", "1",
+                                     "--lr", "1e-4", "--use-cpu-initialization", "--mock-data", "--tokenizer-type",
+                                     "NullTokenizer", *extra])
+    cfg = train.model_config(args)
+    model = cfg.get_builder_cls()(cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    if not torch.cuda.is_available():       # Megatron's read_metadata all-reduces the iteration on a CUDA tensor
+        ckpt.read_metadata = lambda path: (int(open(path).read()), False)
+    ckpt.load_checkpoint([model], None, None)
+    with open(os.path.join(megatron_dir, "hf", "config.json")) as f:
+        spec = family_for(json.load(f)).model_spec({})
+    ours = build_model(spec)
+    io.load_megatron(ours, megatron_dir)
+    theirs = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    mine = {k: v for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(theirs) == sorted(mine), set(theirs) ^ set(mine)
+    for k in mine:
+        assert theirs[k].shape == mine[k].shape and torch.equal(theirs[k].float(), mine[k].float()), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_megatron_args_build_the_model_and_load_it(family, converted):
+    """The printed flags build, with megatron_kcp.train's parser (Megatron-LM's plus the plugin's), a model of
+    the same names and shapes, and Megatron-LM's load_checkpoint (--load DIR --finetune) fills it."""
+    cpu = ["--moe-token-dispatcher-type", "allgather"] if family != "qwen3_5" else []     # alltoall needs CUDA
+    spawn(_megatron_lm_load, 1, converted(family)[1], cpu)
