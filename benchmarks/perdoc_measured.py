@@ -372,7 +372,7 @@ def module_level(c: Case, args, what: str, solo):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     from megatron_kcp import spec
-    from megatron_kcp.layers import layout
+    from megatron_kcp.layers import layout, transformer_layer
     from megatron_kcp.ops import kcp
     b, s, cu = c.b, c.s, c.cu
     cu_t = torch.tensor(cu, dtype=torch.int32, device=b.device)
@@ -422,7 +422,7 @@ def module_level(c: Case, args, what: str, solo):
 
     mlm = [mock.patch.object(kcp, "gated_delta_rule", fla_cp_rule(s.model, b.device, args.smoke))]
     if what == "block":        # every linear layer its own run: the hidden states move around each
-        mlm.append(mock.patch.object(layout, "run_of", lambda config, n: (n, n)))
+        mlm.append(mock.patch.object(transformer_layer, "run_of", lambda config, n: (n, n)))
     cp2hp = (dict(layer_spec=spec.cp2hp_gdn_hybrid_layer_spec if gdn else spec.cp2hp_kda_hybrid_layer_spec)
              if what == "block" else dict(cls=GatedDeltaNet) if gdn else dict(strategy="cp2hp"))
     methods = {

@@ -133,19 +133,24 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids",
               "max_seqlen")
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, vp_stage=None, layout=None):
     """This rank's micro batch, cut by megatron-core's own functions as pretrain_gpt.py cuts it: TP rank 0
     reads and broadcasts, a micro batch of documents (``--dataloader-inter-document-masking``) is flattened
     into one stream, and the CP cut is the whole-stream zigzag there (``use_per_sequence_balancing``), the
-    per-row zigzag otherwise. Returns the batch dict (:data:`BATCH_KEYS`)."""
+    per-row zigzag otherwise; the stage holding MTP (``--mtp-num-layers``) gets the tokens and labels too.
+    ``vp_stage`` and ``layout`` (the config's pipeline layout) say where MTP is. Returns the batch dict
+    (:data:`BATCH_KEYS`)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
     from megatron.core.utils import (flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank,
                                      get_batch_on_this_tp_rank)
     from megatron.training import get_args
     args = get_args()
     documents = args.dataloader_inter_document_masking
     first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
-    if not first_or_last and not documents:
+    mtp = mtp_on_this_rank(layout=layout, mtp_num_layers=args.mtp_num_layers,
+                           ignore_virtual=False, vp_stage=vp_stage)
+    if not first_or_last and not mtp and not documents:
         return dict.fromkeys(BATCH_KEYS)
     batch = {}
     if ps.get_tensor_model_parallel_rank() == 0:
@@ -158,11 +163,11 @@ def get_batch(data_iterator):
         broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
         broadcast_group=ps.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=ps.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length, mtp_on_this_rank=False,
+        seq_length=args.seq_length, mtp_on_this_rank=mtp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=ps.is_pipeline_first_stage(), is_pipeline_last_stage=ps.is_pipeline_last_stage())
     batch = flatten_batch_for_packed_sequences(batch)
-    if not first_or_last:           # a middle stage needs the documents only
+    if not first_or_last and not mtp:       # a middle stage needs the documents only
         return {k: batch.get(k) if k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") else None
                 for k in BATCH_KEYS}
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group(),
@@ -195,8 +200,10 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
     from megatron.training import get_args
-    batch = get_batch(data_iterator)
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"),
+                      get_model_config(model).pipeline_model_parallel_layout)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                    loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch, get_args().seq_length))
     return output, partial(loss_func, batch["loss_mask"])

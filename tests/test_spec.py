@@ -87,7 +87,7 @@ def test_hybrid_gpt_model_cp2_matches_cp1(tmp_path):
 
 
 def test_bad_pattern():
-    from megatron_kcp.spec import is_linear_layer
+    from megatron_kcp.layers.pattern import is_linear_layer
 
     class C:
         num_layers, linear_attention_freq = 4, [1, 1, 0]
@@ -162,7 +162,7 @@ def test_spec_names_resolve_unpatched(module):
     kda = import_module([module, name])
     assert kda is import_module([module, name]) is getattr(importlib.import_module(module), name)   # built once
     assert kda is import_module(["megatron_kcp", name]) is import_module(["megatron_kcp.spec", name])
-    assert kda.submodules.self_attention.submodules.linear.params == {"kda_gate_rank": 64, "kda_norm_eps": 1e-6}
+    assert kda.submodules.linear_mixer.keywords == {"kda_gate_rank": 64, "kda_norm_eps": 1e-6}
 
 
 def test_spec_module_attributes_stay_ordinary():
@@ -210,3 +210,68 @@ def test_missing_dependency_stops_unpatched_megatron():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "RuntimeError: megatron_kcp.spec: import of megatron_kcp.ops.kcp halted" in done.stderr, done.stderr[-2000:]
+
+
+def _model_from_config(kind):
+    """The released hybrids' features, from the config alone (what Megatron's flags set)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_kcp.layers.attention import KCPMLASelfAttention, KCPSelfAttention
+    from megatron_kcp.layers.norm import ZeroCenteredRMSNorm
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+               gated_linear_unit=True)
+    if kind == "qwen3-next":        # gated attention with QK norm, (1 + w) norms, MoE from layer 2
+        model = _gpt(2, qk_layernorm=True, attention_output_gate=True, num_query_groups=2, kv_channels=8,
+                     layernorm_zero_centered_gamma=True, moe_layer_freq=[0, 1, 1, 1], moe_shared_expert_gate=True,
+                     **moe)
+        attention = KCPSelfAttention
+    else:                           # KDA with NoPE MLA attention, a dense first layer
+        model = _gpt(2, "kda_hybrid_layer_spec", config_class=MLATransformerConfig, qk_layernorm=True, q_lora_rank=None,
+                     kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope",
+                     no_rope_freq=1, moe_layer_freq=[0, 1, 1, 1], **moe)
+        attention = KCPMLASelfAttention
+    layers = model.decoder.layers
+    linear = [type(layer.self_attention).__name__ for layer in layers]
+    assert [isinstance(layer.self_attention, attention) for layer in layers] == [False, True, False, True], linear
+    assert [isinstance(layer.mlp, MoELayer) for layer in layers] == [False, True, True, True]
+    assert all(layer.mlp.shared_experts is not None for layer in layers[1:])
+    sharded = {k: v.key for k, v in model.sharded_state_dict().items() if hasattr(v, "key")}
+    if kind == "qwen3-next":
+        assert all(isinstance(m, ZeroCenteredRMSNorm) for m in (layers[1].input_layernorm, layers[1].self_attention.
+                   q_layernorm, layers[0].self_attention.out_norm, model.decoder.final_layernorm))
+        assert layers[1].self_attention.linear_qkv.weight.shape[0] == 2 * 4 * 8 + 2 * 2 * 8      # q and gate, k, v
+        assert model.decoder.layers[1].mlp.shared_experts.use_shared_expert_gate
+        # the checkpoint keys of megatron-core's TE hybrid, which fuses these norms into the next linear
+        for local, fused in (("0.input_layernorm.", "0.self_attention.in_proj.layer_norm_"),
+                             ("1.input_layernorm.", "1.self_attention.linear_qkv.layer_norm_"),
+                             ("0.pre_mlp_layernorm.", "0.mlp.linear_fc1.layer_norm_"),
+                             ("1.pre_mlp_layernorm.", "1.pre_mlp_layernorm.")):        # MoE: no fused norm
+            assert sharded[f"decoder.layers.{local}weight"] == f"decoder.layers.{fused}weight"
+    else:
+        assert layers[1].self_attention.rotary_pos_emb.inv_freq.abs().sum() == 0           # NoPE
+        assert sharded["decoder.layers.1.input_layernorm.weight"] == "decoder.layers.1.input_layernorm.weight"
+        assert (sharded["decoder.layers.1.self_attention.kv_layernorm.weight"]
+                == "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight")
+    tokens = torch.randint(0, 64, (1, 16))
+    loss = model(tokens, torch.arange(16)[None], attention_mask=None, labels=tokens).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-next", "kimi-linear"])
+def test_spec_builds_the_released_models_features_from_the_config(kind):
+    spawn(_model_from_config, 1, kind)
+
+
+def _refused(config, match):
+    with pytest.raises(ValueError, match=match):
+        _gpt(4, **config)
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa: the megatron_kcp specs"),
+    ({"num_moe_experts": 4, "moe_grouped_gemm": True}, "--moe-grouped-gemm needs TransformerEngine"),
+])
+def test_options_the_specs_cannot_honour_stop_at_construction(config, match):
+    spawn(_refused, 1, config, match)

@@ -26,7 +26,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch.nn.attention.bias import causal_lower_right
 
@@ -59,12 +61,14 @@ class CPDotProductAttention(MegatronModule):
     Inputs ``query [sq, b, np, hn]``, ``key``/``value [sq, b, ng, hn]`` (GQA: ``np`` divisible by ``ng``),
     each the CP rank's zigzag shard; output ``[sq, b, np * hn]``. ``attention_mask`` is ignored: the mask
     is causal by construction, as in TE's causal attention. ``cp_comm_type`` is accepted and ignored
-    (the one scheme here is an all-gather of K and V).
+    (the one scheme here is an all-gather of K and V); so are MLA's ``k_channels`` and ``v_channels`` (the
+    head dims come with the tensors; MLA passes its ``softmax_scale``).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal or attention_type != "self":
             raise ValueError(f"CPDotProductAttention is causal self-attention only, got attn_mask_type="
@@ -294,3 +298,31 @@ def _in_document_positions(cu: tuple[int, ...], world_size: int, rank: int, devi
     p = all_plans(cu, "zigzag", world_size)[rank]
     return torch.cat([torch.arange(s - cu[d], s - cu[d] + b - a) for s, a, b, d in
                       zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq)]).to(device)
+
+
+class KCPMLASelfAttention(MLASelfAttention):
+    """megatron-core's ``MLASelfAttention`` with two of its configs read as Hugging Face's MLA models mean them.
+
+    * ``config.no_rope_freq`` (``--no-rope-freq``) is honoured as megatron-core's ``SelfAttention`` honours it
+      (its MLA rotates every layer). A layer the pattern marks is NoPE (Kimi Linear's MLA layers): its rotary
+      frequencies are zero, so q and k keep their values (both take the same reordering of their rotary
+      dims, which leaves every score as it is).
+    * ``qk_layernorm`` without ``q_lora_rank`` (Kimi Linear, DeepSeek-V2-Lite) normalises the compressed KV
+      only, and q is projected from the layer's input as it is; megatron-core 0.19 would put a second norm
+      on that input, fused into ``linear_q_proj``.
+    """
+
+    def _resolve_qk_norm_config(self, submodules):
+        if not (self.config.qk_layernorm and self.config.q_lora_rank is None):
+            return super()._resolve_qk_norm_config(submodules)
+        return {"linear_q_proj": submodules.linear_q_proj, "linear_q_up_proj": IdentityOp,
+                "linear_kv_up_proj": submodules.linear_kv_up_proj, "q_layernorm": IdentityOp,
+                "kv_layernorm": submodules.kv_layernorm or IdentityOp}
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config.no_rope_freq and config.no_rope_freq[self.layer_number - 1]:
+            if config.rope_type != "rope":
+                raise ValueError(f"layer {self.layer_number}: a NoPE MLA layer (--no-rope-freq) with --rope-type "
+                                 f"{config.rope_type}, whose mscale changes the softmax scale; use --rope-type rope")
+            self.rotary_pos_emb.inv_freq = torch.zeros_like(self.rotary_pos_emb.inv_freq)

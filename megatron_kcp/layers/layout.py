@@ -28,28 +28,13 @@ import functools
 import os
 
 import torch
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_kcp.layers.batch import Batch, batch_of
+from megatron_kcp.layers.pattern import linear_pattern
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, convert_pays
 from megatron_kcp.parallel.relayout import check_tp_cp_group, relayout
 
 TARGET = "contiguous"
-
-
-def is_linear(config, layer_number: int) -> bool:
-    from megatron_kcp.spec import is_linear_layer
-    return is_linear_layer(config, layer_number)
-
-
-def run_of(config, layer_number: int) -> tuple[int, int]:
-    """(first, last) layer numbers of the run of consecutive linear layers holding ``layer_number``."""
-    first = last = layer_number
-    while first > 1 and is_linear(config, first - 1):
-        first -= 1
-    while last < config.num_layers and is_linear(config, last + 1):
-        last += 1
-    return first, last
 
 
 def hidden_bytes(config) -> int:
@@ -105,6 +90,11 @@ def check_whole_stream(mixer, layer_number: int) -> None:
     megatron-core's own GatedDeltaNet) stops where a THD pack comes cut as one stream, naming the route
     that works (the layer's forward checks each batch; the specs check at construction where Megatron's
     arguments say --dataloader-inter-document-masking)."""
+    if type(mixer).__module__.startswith("megatron.core.transformer.multi_latent_attention"):
+        raise ValueError(
+            f"layer {layer_number}: megatron-core's {type(mixer).__name__} rotates a THD pack under CP as every "
+            "document cut into 2 * CP chunks (--sft); --dataloader-inter-document-masking cuts the whole stream. "
+            "Train the documents with --sft, or at --context-parallel-size 1")
     module = getattr(mixer, "core_attention", mixer)
     name = type(module).__module__
     if name.startswith("megatron.core.extensions.transformer_engine"):
@@ -119,43 +109,6 @@ def check_whole_stream(mixer, layer_number: int) -> None:
             f"layer {layer_number}: megatron-core's {type(module).__name__} takes each document cut into "
             "2 * CP chunks (--sft), and --dataloader-inter-document-masking cuts the whole stream; use --sft, or "
             "the KCP mixers (--spec megatron_kcp gdn_hybrid_layer_spec), which take either cut")
-
-
-class KCPTransformerLayer(TransformerLayer):
-    """Megatron's ``TransformerLayer``; in a run of linear layers it runs in the contiguous layout where
-    that pays (see the module docstring). Its linear mixer is given the run (``mixer.layer_run``)."""
-
-    def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
-        super().__init__(config, submodules, layer_number=layer_number, **kwargs)
-        # a mixer that runs in any layout says so (megatron-core's cp2hp GatedDeltaNet does not)
-        self.linear = is_linear(config, self.layer_number) and getattr(self.self_attention, "any_layout", False)
-        self.run = run_of(config, self.layer_number) if self.linear else None
-        if self.linear:
-            self.self_attention.layer_run = self.run
-
-    def layout(self, hidden_states, packed_seq_params) -> tuple[Batch, bool]:
-        """(the batch Megatron hands this layer, whether this layer's run is converted)."""
-        batch = layer_batch(self, hidden_states, packed_seq_params)
-        if not self.linear:
-            return batch, False
-        pg = self.pg_collection
-        return batch, converts(self.config, batch, pg.cp.size(), pg.tp.size(), self.run[1] - self.run[0] + 1)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        batch, convert = self.layout(hidden_states, kwargs.get("packed_seq_params"))
-        if not self.linear:
-            if batch.source == "zigzag" and batch.thd and self.pg_collection.cp.size() > 1:
-                check_whole_stream(self.self_attention, self.layer_number)
-            return super().forward(hidden_states, *args, **kwargs)
-        if not convert:
-            return super().forward(hidden_states, *args, **kwargs)
-        group, tp = conversion_group(self.pg_collection, self.config.sequence_parallel)
-        if self.layer_number == self.run[0]:
-            hidden_states = move(hidden_states, batch.cu, batch.source, TARGET, group, tp)
-        out, context = super().forward(hidden_states, *args, **kwargs)
-        if self.layer_number == self.run[1]:
-            out = move(out, batch.cu, TARGET, batch.source, group, tp)
-        return out, context
 
 
 def mixer_input(mixer, hidden_states, packed_seq_params):
@@ -182,9 +135,8 @@ def describe(mixer, batch: Batch) -> str:
     if batch.layout == batch.source:
         return ""
     if getattr(mixer, "layer_run", None) is not None:
-        config = mixer.config
-        runs = sum(is_linear(config, n) and (n == 1 or not is_linear(config, n - 1))
-                   for n in range(1, config.num_layers + 1))
+        pattern = linear_pattern(mixer.config)
+        runs = sum(linear and (n == 0 or not pattern[n - 1]) for n, linear in enumerate(pattern))
         return (f", hidden states moved to {batch.layout} at the edges of each run of linear layers: {2 * runs} "
                 "all-to-alls per forward, as many backward")
     return f", hidden states moved to {batch.layout} by each mixer: 2 all-to-alls per layer and pass"
