@@ -10,9 +10,11 @@ which transformers' ``save_pretrained`` writes back):
 * MLA (megatron-core ``MLASelfAttention``, local names): q_proj -> ``linear_q_proj`` (or q_a_proj, q_a_layernorm,
   q_b_proj -> ``linear_q_down_proj``, ``q_layernorm``, ``linear_q_up_proj``), kv_a_proj_with_mqa ->
   ``linear_kv_down_proj``, kv_a_layernorm -> ``kv_layernorm``, kv_b_proj -> ``linear_kv_up_proj``, o_proj ->
-  ``linear_proj``. Kimi's MLA applies no RoPE: megatron-core 0.19's MLA always rotates its
-  ``qk_pos_emb_head_dim`` part, unless its rotary dim ``int(qk_pos_emb_head_dim * rotary_percent)`` is 0,
-  which is how the converted model runs it (``--rope-type rope --rotary-percent`` below 1/qk_rope_head_dim);
+  ``linear_proj`` (megatron-core builds MLA's latent norms with ``qk_layernorm``; their eps is
+  ``rms_norm_eps``, where Kimi's kv_a_layernorm uses 1e-6: a difference of ~1e-6 in the outputs). Kimi's MLA
+  applies no RoPE: megatron-core 0.19's MLA always rotates its ``qk_pos_emb_head_dim`` part, unless its
+  rotary dim ``int(qk_pos_emb_head_dim * rotary_percent)`` is 0, which is how the converted model runs it
+  (``--rope-type rope --rotary-percent`` below 1/qk_rope_head_dim);
 * MoE: sigmoid scores + ``e_score_correction_bias`` (megatron-core's expert bias) for the choice, top-k
   renormalised, times ``routed_scaling_factor``; experts w1 (gate), w3 (up), w2 (down); shared experts without
   a gate; the first ``first_k_dense_replace`` layers (``mlp_layer_types``) are dense MLPs.
@@ -104,7 +106,8 @@ class KimiLinear(Family):
             linear_key_head_dim=la["head_dim"], linear_value_head_dim=la["head_dim"],
             linear_num_key_heads=la["heads"], linear_num_value_heads=la["heads"],
             kda_gate_rank=la["head_dim"], kda_norm_eps=eps,
-            multi_latent_attention=True, q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"],
+            multi_latent_attention=True, qk_layernorm=True, q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c["kv_lora_rank"],
             qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=rope_dim, v_head_dim=c["v_head_dim"],
             rope_type="rope", rotary_percent=nope_percent, rotary_scaling_factor=1.0, mscale=1.0,
             mscale_all_dim=0.0,
@@ -124,7 +127,8 @@ class KimiLinear(Family):
             "--ffn-hidden-size", c["intermediate_size"], "--num-attention-heads", c["num_attention_heads"],
             "--normalization", "RMSNorm", "--norm-epsilon", eps, "--swiglu", "--disable-bias-linear",
             "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
-            "--multi-latent-attention", "--kv-lora-rank", c["kv_lora_rank"], "--qk-head-dim", c["qk_nope_head_dim"],
+            "--multi-latent-attention", "--qk-layernorm", "--kv-lora-rank", c["kv_lora_rank"],
+            "--qk-head-dim", c["qk_nope_head_dim"],
             "--qk-pos-emb-head-dim", rope_dim, "--v-head-dim", c["v_head_dim"],
             "--position-embedding-type", "none", "--rope-type", "rope", "--rotary-percent", nope_percent,
             "--rotary-scaling-factor", 1.0, "--mscale", 1.0, "--mscale-all-dim", 0.0,

@@ -21,8 +21,8 @@ import torch
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
 HIDDEN = ("fla", "causal_conv1d")
 VOCAB = 96
-# transformers 5.24 saves Qwen3_5MoeForCausalLM's experts one by one (experts.{e}.gate_proj ...) but loads only
-# the packed form (experts.gate_up_proj, experts.down_proj): this family is written packed, as it is in memory
+# written as transformers holds them in memory (experts.gate_up_proj, experts.down_proj: the Qwen3.6 layout), not
+# expert by expert as save_pretrained writes them, so that the converter's packed-expert mapping is tested too
 PACKED_ON_DISK = ("qwen3_5_moe",)
 
 # transformers' config and model class names, and the modeling module, per family
@@ -179,14 +179,14 @@ def save_tiny(family: str, directory, dtype: torch.dtype = torch.float32, seed: 
 
 
 @torch.no_grad()
-def reference_logits(hf_dir, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 logits of the checkpoint in ``hf_dir`` for ``tokens`` ([batch, seq]), on the CPU
-    with its pure-PyTorch linear-attention paths (eager attention)."""
-    import json
-    with open(os.path.join(os.fspath(hf_dir), "config.json")) as f:
-        model_type = json.load(f)["model_type"]
-    family = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}.get(model_type, model_type)
-    _, model_cls = hf_classes(family)
-    model = model_cls.from_pretrained(os.fspath(hf_dir), dtype=torch.float32, attn_implementation="eager",
-                                      local_files_only=True).eval()
+def reference_logits(family: str, tokens: torch.Tensor, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """transformers' fp32 logits for ``tokens`` ([batch, seq]) of the checkpoint :func:`save_tiny` writes for
+    ``family``, ``seed`` and ``dtype`` (its weights rounded to ``dtype``), on the CPU with the pure-PyTorch
+    linear-attention paths and eager attention.
+
+    The model is rebuilt in memory rather than loaded from the directory: transformers 5.24 writes Kimi
+    Linear in Moonshot's names (q/k/v_conv1d, f_a_proj, block_sparse_moe.experts.{e}.w1 ...) and Qwen3.5-MoE
+    expert by expert, but does not load either back (it leaves those weights newly initialised)."""
+    model = tiny_model(family, seed)
+    model.to(dtype).float()
     return model(input_ids=tokens, use_cache=False).logits.float()

@@ -36,7 +36,7 @@ def converted(tmp_path_factory):
             root = tmp_path_factory.mktemp(family)
             hf_dir = hf.save_tiny(family, root / "hf")
             import_hf(hf_dir, str(root / "megatron"))
-            made[family] = (hf_dir, str(root / "megatron"), hf.reference_logits(hf_dir, tokens()))
+            made[family] = (hf_dir, str(root / "megatron"), hf.reference_logits(family, tokens()))
         return made[family]
     return get
 
@@ -217,7 +217,7 @@ def _cp_logits(megatron_dir, toks, ref):
 def test_converted_checkpoint_loads_at_tp2_and_cp2(family, parallel, converted):
     _, megatron_dir, _ = converted(family)
     toks = tokens(1)
-    ref = hf.reference_logits(converted(family)[0], toks)
+    ref = hf.reference_logits(family, toks)
     if parallel == "tp2":
         spawn(_tp_logits, 2, megatron_dir, toks, ref, tp=2)
     else:
