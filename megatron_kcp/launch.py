@@ -28,8 +28,9 @@ consistency):
 - choices (:data:`CHOICE_KEYS`): the router's score function, load balancing and dtype, the position
   embedding (``rope`` unless set) and MLA's ``rope_type``;
 - layer patterns (:data:`PATTERN_KEYS`): ``linear_attention_freq`` (N: every Nth layer is softmax
-  attention; or a 0/1 list of ``num_layers`` entries, 1 = linear) and ``moe_layer_freq`` (N: every
-  Nth layer from the first is MoE; or a 0/1 list, 1 = MoE);
+  attention; or a 0/1 list of ``num_layers`` entries, 1 = linear), ``moe_layer_freq`` (N: every
+  Nth layer from the first is MoE; or a 0/1 list, 1 = MoE) and ``no_rope_freq`` (N dividing the layers:
+  every Nth layer's attention takes no RoPE, 1 = none does; or a 0/1 list, 1 = NoPE; Kimi-Linear's MLA);
 - ``spec`` (a name of :mod:`megatron_kcp.spec`, default ``gdn_hybrid_layer_spec``; options allowed for
   the KDA spec: ``kda_hybrid_layer_spec:kda_gate_rank=64``) and ``_doc`` (a description: where the
   numbers come from).
@@ -71,10 +72,10 @@ CHOICE_KEYS = {"position_embedding_type": ("rope", "none"), "rope_type": ("rope"
                "moe_router_score_function": ("softmax", "sigmoid", "sqrtsoftplus"),
                "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
                "moe_router_dtype": ("fp32", "fp64")}
-PATTERN_KEYS = ("linear_attention_freq", "moe_layer_freq")
+PATTERN_KEYS = ("linear_attention_freq", "moe_layer_freq", "no_rope_freq")
 # every model key, in the command's order (the dense hybrid's first, as before the MoE and MLA keys)
 MODEL_KEYS = (INT_KEYS[:6] + ("linear_attention_freq",) + INT_KEYS[6:] + tuple(FLOAT_KEYS) + FLAG_KEYS
-              + tuple(CHOICE_KEYS) + ("moe_layer_freq",))
+              + tuple(CHOICE_KEYS) + ("moe_layer_freq", "no_rope_freq"))
 OTHER_KEYS = ("spec", "_doc")        # the layer spec (--spec megatron_kcp NAME), and a free-text description
 ALLOWED_KEYS = MODEL_KEYS + OTHER_KEYS
 DEFAULT_SPEC = "gdn_hybrid_layer_spec"
@@ -169,6 +170,11 @@ def check_preset_values(preset: dict, where: str) -> None:
         raise ValueError(f"{where}: \"moe_layer_freq\": {json.dumps(preset['moe_layer_freq'])} is neither an "
                          f"integer N >= 1 (every Nth layer from the first is MoE) nor a list of num_layers={layers} "
                          "entries of 1 (MoE) or 0 (dense MLP)")
+    nope = preset.get("no_rope_freq")
+    if "no_rope_freq" in preset and not (_pattern_ok(nope, layers) and (isinstance(nope, list) or layers % nope == 0)):
+        raise ValueError(f"{where}: \"no_rope_freq\": {json.dumps(nope)} is neither an integer N >= 1 dividing "
+                         f"num_layers={layers} (every Nth layer's attention takes no RoPE; 1: none does) nor a list of "
+                         f"{layers} entries of 1 (no RoPE) or 0 (RoPE)")
     if "_doc" in preset and not isinstance(preset["_doc"], str):
         raise ValueError(f"{where}: \"_doc\" must be a string (a description of the preset)")
     if "spec" in preset:
@@ -268,9 +274,12 @@ def check_consistency(p: dict, where: str) -> None:
     # rotary embeddings
     rope = p.get("position_embedding_type", DEFAULTS["position_embedding_type"]) == "rope"
     if not rope and not mla:
-        stray = [k for k in ("rotary_percent", "rotary_base") if k in p]
+        stray = [k for k in ("rotary_percent", "rotary_base", "no_rope_freq") if k in p]
         if stray:
             fail(f"\"{stray[0]}\" needs RoPE: \"position_embedding_type\" is \"none\"; drop {stray} or use \"rope\"")
+    if mla and "no_rope_freq" in p and p.get("rope_type") != "rope":
+        fail(f"\"no_rope_freq\" with MLA needs \"rope_type\": \"rope\" (YaRN's mscale would change a NoPE layer's "
+             f"softmax scale), not {json.dumps(p.get('rope_type', 'yarn'))}")
     dim = head_dim(p)
     if rope and dim is not None:
         rotary = dim * p.get("rotary_percent", 1.0)

@@ -83,7 +83,7 @@ def test_sequence_length_must_split_zigzag(tmp_path, capsys):
     ('{"num_layers": 4, "hidden_size": 256}',
      r"preset .*bad\.json: missing keys \['num_attention_heads', .*'vocab_size'\]"),
     ('{"num_layer": 4}', r"preset .*bad\.json: unknown keys \['num_layer'\]; the allowed keys are num_layers, "
-                         r"hidden_size, .*, vocab_size, num_experts, .*, moe_layer_freq, spec, _doc$"),
+                         r"hidden_size, .*, vocab_size, num_experts, .*, moe_layer_freq, no_rope_freq, spec, _doc$"),
 ])
 def test_preset_errors_name_the_file_and_the_fix(text, match, tmp_path, capsys):
     path = tmp_path / ("nope.json" if text is None else "bad.json")
@@ -238,6 +238,12 @@ QN, KL = "tiny-qwen3-next.json", "tiny-kimi-linear.json"
     (QN, {"position_embedding_type": "none"}, r'"rotary_percent" needs RoPE: "position_embedding_type" is "none"'),
     (QN, {"rotary_percent": 0.3}, r'"rotary_percent": 0.3 of the head dim 32 is 9.6 rotary dims; RoPE rotates an '
                                   r"even number of them"),
+    (KL, {"no_rope_freq": 3}, r'"no_rope_freq": 3 is neither an integer N >= 1 dividing num_layers=4 \(every Nth '
+                              r"layer's attention takes no RoPE; 1: none does\) nor a list of 4 entries"),
+    (KL, {"rope_type": "yarn"}, r'"no_rope_freq" with MLA needs "rope_type": "rope" \(YaRN\'s mscale would change a '
+                                r'NoPE layer\'s softmax scale\), not "yarn"'),
+    ("tiny-gdn.json", {"position_embedding_type": "none", "no_rope_freq": 4},
+     r'"no_rope_freq" needs RoPE: "position_embedding_type" is "none"'),
     # KDA's gate rank
     ("tiny-gdn.json", {"kda_gate_rank": 16}, r'"kda_gate_rank" is the KDA mixer\'s: use a KDA spec'),
     ("tiny-kda.json", {"kda_gate_rank": 16, "spec": "kda_hybrid_layer_spec:kda_gate_rank=32"},

@@ -36,7 +36,7 @@ CASES = {
     "tiny-kimi-linear.json": (
         ("--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--pp", "2", "--ep", "4", "--etp", "1"),
         (("--multi-latent-attention",), ("--kv-lora-rank", "32"), ("--position-embedding-type", "none"),
-         ("--rope-type", "rope"), ("--no-rope-fusion",), ("--moe-layer-freq", "[0,1,1,1]"),
+         ("--rope-type", "rope"), ("--no-rope-freq", "1"), ("--no-rope-fusion",), ("--moe-layer-freq", "[0,1,1,1]"),
          ("--linear-attention-freq", "[1,1,1,0]"), ("--moe-router-score-function", "sigmoid"),
          ("--moe-router-enable-expert-bias",), ("--pipeline-model-parallel-size", "2"))),
     "qwen3-next-gdn.json": (("--nnodes", "2", "--nproc-per-node", "8", "--tp", "2", "--cp", "8", *MULTI), ()),
@@ -65,7 +65,8 @@ CASES = {
         ("--nnodes", "4", "--nproc-per-node", "8", "--tp", "2", "--cp", "8", "--ep", "8", "--etp", "1", *MULTI),
         (("--spec", "megatron_kcp", "kda_hybrid_layer_spec"), ("--multi-latent-attention",),
          ("--kv-lora-rank", "512"), ("--qk-head-dim", "128"), ("--qk-pos-emb-head-dim", "64"), ("--v-head-dim", "128"),
-         ("--position-embedding-type", "none"), ("--rope-type", "rope"), ("--num-experts", "256"),
+         ("--position-embedding-type", "none"), ("--rope-type", "rope"), ("--no-rope-freq", "1"),
+         ("--num-experts", "256"),
          ("--moe-router-topk", "8"), ("--moe-ffn-hidden-size", "1024"),
          ("--moe-shared-expert-intermediate-size", "1024"),
          ("--moe-layer-freq", "[0" + ",1" * 26 + "]"), ("--moe-router-score-function", "sigmoid"),
