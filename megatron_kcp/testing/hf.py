@@ -166,7 +166,9 @@ def save_tiny(family: str, directory, dtype: torch.dtype = torch.float32, seed: 
         ``directory`` as a string.
     """
     directory = os.fspath(directory)
-    model = tiny_model(family, seed)
+    # built from transformers' regular modules: save_pretrained then writes the checkpoint format (Moonshot's names
+    # for Kimi Linear) deterministically (it skips that for classes of modules it does not know as its own)
+    model = tiny_model(family, seed, pure_torch=False)
     model.to(dtype)
     if family in PACKED_ON_DISK:
         from safetensors.torch import save_file
