@@ -162,4 +162,7 @@ def load_megatron(model, directory: str) -> None:
     """Load the model state of the Megatron checkpoint in ``directory`` into ``model`` (any TP/PP/CP)."""
     from megatron.core import dist_checkpointing
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iteration_dir(directory))
-    model.load_state_dict(loaded["model"], strict=False)
+    missing, _ = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise ConvertError(f"the checkpoint in {directory} has no {missing[0]} for this model")
