@@ -11,6 +11,13 @@ core to fla's kernels (default ``auto``, what a user gets).
 
     python benchmarks/mixer_cp1.py --tokens 32768 --heads 16 --csv mixer_cp1.csv
     python benchmarks/mixer_cp1.py --model kda --tokens 32768 --heads 32 --hidden 2304 --csv mixer_cp1.csv
+
+``--layer`` times a whole Qwen3-Next-shaped hybrid layer instead (input norm, the mixer, MoE with
+``--experts`` routed experts of ``--moe-ffn``, top ``--topk``, and a gated shared expert): the layer of
+``gdn_hybrid_layer_spec`` beside the same layer with megatron-core's own ``GatedDeltaNet``
+(``cp2hp_gdn_hybrid_layer_spec``), everything else built by megatron-core's builders for the same config.
+
+    python benchmarks/mixer_cp1.py --layer --tokens 8192 --heads 32 --experts 512 --topk 10 --csv layer_cp1.csv
 """
 from __future__ import annotations
 
@@ -43,6 +50,41 @@ def launches(step) -> int:
     return kernel_time(prof)[1]
 
 
+def layer(name: str, shape, args):
+    """One Qwen3-Next-shaped hybrid layer (GDN, MoE with a gated shared expert), bf16, seeded alike for both."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_kcp import spec
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=shape.hidden, num_attention_heads=16, num_query_groups=2, kv_channels=256,
+        linear_attention_freq=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=shape.heads[0] // 2, linear_num_value_heads=shape.heads[1], normalization="RMSNorm",
+        activation_func=F.silu, gated_linear_unit=True, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.moe_ffn,
+        moe_shared_expert_intermediate_size=args.moe_ffn, moe_shared_expert_gate=True, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-3, transformer_impl="local",
+        hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    layer_spec = spec.gdn_hybrid_layer_spec if name == "kcp" else spec.cp2hp_gdn_hybrid_layer_spec
+    return _Layer(build_module(layer_spec, config=cfg, layer_number=1).cuda())
+
+
+class _Layer(torch.nn.Module):
+    """A TransformerLayer called as the mixers are: ``(y, bias)`` from ``(x, mask)``."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, mask):
+        y, _ = self.layer(x, attention_mask=mask)
+        return y, None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gdn", choices=("gdn", "kda"))
@@ -54,6 +96,10 @@ def main(argv=None):
     p.add_argument("--core", default="auto", choices=("auto", "fla", "qla"))
     p.add_argument("--mixers", nargs="+", choices=("megatron", "kcp"), help="default: both (GDN), kcp (KDA)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--layer", action="store_true", help="a whole GDN hybrid layer with MoE, not the mixer alone")
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--moe-ffn", type=int, default=512)
     p.add_argument("--csv", help="append the rows to this CSV")
     args = p.parse_args(argv)
     args.mixers = args.mixers or (["megatron", "kcp"] if args.model == "gdn" else ["kcp"])
@@ -81,8 +127,11 @@ def main(argv=None):
         state = ref = None
         for name in args.mixers:
             cls = GatedDeltaNet if name == "megatron" else KCPGatedDeltaNet
-            mod = build(args.model, config(args.model, shape, 1, bf16=True, params_dtype=torch.bfloat16), solo_pg(),
-                        "cuda", **(dict(cls=cls) if args.model == "gdn" else {})).to(torch.bfloat16)
+            if args.layer:
+                mod = layer(name, shape, args)
+            else:
+                mod = build(args.model, config(args.model, shape, 1, bf16=True, params_dtype=torch.bfloat16),
+                            solo_pg(), "cuda", **(dict(cls=cls) if args.model == "gdn" else {})).to(torch.bfloat16)
             state = state or {k: v.clone() for k, v in mod.state_dict().items() if isinstance(v, torch.Tensor)}
             mod.load_state_dict(state, strict=False)
             leaf = x.clone().requires_grad_()
@@ -109,7 +158,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b))
             row = dict(gpu=torch.cuda.get_device_name(), model=args.model, tokens=T, heads=H, hidden=args.hidden,
-                       mixer=name,
+                       mixer=f"{name}-layer-moe{args.experts}" if args.layer else name,
                        core=args.core if name == "kcp" else "-", flash_qla=int(qla),
                        median_ms=round(statistics.median(times), 3), min_ms=round(min(times), 3),
                        host_ms=round(statistics.median(host), 3), launches=launches(step),
