@@ -12,9 +12,9 @@ which transformers' ``save_pretrained`` writes back):
   ``linear_kv_down_proj``, kv_a_layernorm -> ``kv_layernorm``, kv_b_proj -> ``linear_kv_up_proj``, o_proj ->
   ``linear_proj`` (megatron-core builds MLA's latent norms with ``qk_layernorm``; their eps is
   ``rms_norm_eps``, where Kimi's kv_a_layernorm uses 1e-6: a difference of ~1e-6 in the outputs). Kimi's MLA
-  applies no RoPE: megatron-core 0.19's MLA always rotates its ``qk_pos_emb_head_dim`` part, unless its
-  rotary dim ``int(qk_pos_emb_head_dim * rotary_percent)`` is 0, which is how the converted model runs it
-  (``--rope-type rope --rotary-percent`` below 1/qk_rope_head_dim);
+  applies no RoPE: megatron-core 0.19's MLA rotates its ``qk_pos_emb_head_dim`` part in every layer;
+  megatron_kcp's MLA (``KCPMLASelfAttention``) honours ``--no-rope-freq`` as megatron-core's SelfAttention does,
+  and the converted model marks every layer NoPE (``--no-rope-freq 1 --rope-type rope``, as the presets do);
 * MoE: sigmoid scores + ``e_score_correction_bias`` (megatron-core's expert bias) for the choice, top-k
   renormalised, times ``routed_scaling_factor``; experts w1 (gate), w3 (up), w2 (down); shared experts without
   a gate; the first ``first_k_dense_replace`` layers (``mlp_layer_types``) are dense MLPs.
@@ -93,7 +93,6 @@ class KimiLinear(Family):
         tied = bool(c.get("tie_word_embeddings", False))
         eps = c.get("rms_norm_eps", 1e-5)
         rope_dim = c["qk_rope_head_dim"]
-        nope_percent = 0.5 / rope_dim        # int(rope_dim * p) == 0: no rotation (see the module docstring)
         experts = self.alias("num_experts", "num_local_experts")
         shared = self.alias("num_shared_experts", "n_shared_experts", default=0) * c["moe_intermediate_size"]
         max_len = self.alias("model_max_length", "max_position_embeddings", default=4096)
@@ -109,8 +108,7 @@ class KimiLinear(Family):
             multi_latent_attention=True, qk_layernorm=True, q_lora_rank=c.get("q_lora_rank"),
             kv_lora_rank=c["kv_lora_rank"],
             qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=rope_dim, v_head_dim=c["v_head_dim"],
-            rope_type="rope", rotary_percent=nope_percent, rotary_scaling_factor=1.0, mscale=1.0,
-            mscale_all_dim=0.0,
+            rope_type="rope", no_rope_freq=1,
             num_moe_experts=experts, moe_router_topk=self.alias("num_experts_per_token", "num_experts_per_tok"),
             moe_ffn_hidden_size=c["moe_intermediate_size"], moe_shared_expert_intermediate_size=shared or None,
             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -130,8 +128,7 @@ class KimiLinear(Family):
             "--multi-latent-attention", "--qk-layernorm", "--kv-lora-rank", c["kv_lora_rank"],
             "--qk-head-dim", c["qk_nope_head_dim"],
             "--qk-pos-emb-head-dim", rope_dim, "--v-head-dim", c["v_head_dim"],
-            "--position-embedding-type", "none", "--rope-type", "rope", "--rotary-percent", nope_percent,
-            "--rotary-scaling-factor", 1.0, "--mscale", 1.0, "--mscale-all-dim", 0.0,
+            "--position-embedding-type", "none", "--rope-type", "rope", "--no-rope-freq", 1,
             "--linear-attention-freq", layers.layer_pattern(linear), "--linear-conv-kernel-dim", la["conv"],
             "--linear-key-head-dim", la["head_dim"], "--linear-value-head-dim", la["head_dim"],
             "--linear-num-key-heads", la["heads"], "--linear-num-value-heads", la["heads"],
