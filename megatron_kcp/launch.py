@@ -338,8 +338,8 @@ def _pipeline_stages(p: dict, pp: int, extra) -> None:
                          f"--decoder-last-pipeline-num-layers M) so that the other stages get equal shares")
 
 
-def _flag_value(argv, flag: str):
-    """The integer value of the last ``flag N`` or ``flag=N`` in ``argv`` (None if absent)."""
+def _flag_value(argv, flag: str, kind=int):
+    """The value (an integer unless ``kind``) of the last ``flag N`` or ``flag=N`` in ``argv`` (None if absent)."""
     value = None
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -349,7 +349,7 @@ def _flag_value(argv, flag: str):
     if value is None:
         return None
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
         raise ValueError(f"{flag} {value}: not an integer") from None
 
@@ -389,6 +389,16 @@ def check_sizes(p: dict, world: int, tp: int, cp: int, pp: int, sequence_paralle
     if dense and p.get("ffn_hidden_size") is not None and p["ffn_hidden_size"] % tp:
         raise ValueError(f"ffn_hidden_size {p['ffn_hidden_size']} is not divisible by --tp {tp}: use --tp in "
                          f"{', '.join(map(str, divisors(p['ffn_hidden_size'])))}")
+    documents = "--dataloader-inter-document-masking" in extra       # THD packs, cut across documents (the spec's rule)
+    balancing = _flag_value(extra, "--moe-router-load-balancing-type", str) or p.get("moe_router_load_balancing_type")
+    if documents and cp > 1 and p.get("num_experts") and balancing == "seq_aux_loss":
+        raise ValueError("moe_router_load_balancing_type seq_aux_loss with --dataloader-inter-document-masking at "
+                         "--cp > 1: megatron-core groups a rank's tokens into samples that CP has cut; pass -- "
+                         "--moe-router-load-balancing-type aux_loss (or global_aux_loss), or --cp 1")
+    mtp = _flag_value(extra, "--mtp-num-layers")
+    if documents and cp > 1 and (p.get("mtp_num_layers") if mtp is None else mtp):
+        raise ValueError("mtp_num_layers with --dataloader-inter-document-masking at --cp > 1: Megatron's MTP layer "
+                         "takes only the per-document cut; pass -- --mtp-num-layers 0 (or --sft), or --cp 1")
     rank = p.get("kda_gate_rank") or (p["linear_value_head_dim"] if "kda" in p.get("spec", "") else None)
     if rank is not None and rank % tp:
         raise ValueError(f"kda_gate_rank {rank} is not divisible by --tp {tp} (the KDA gates are split over it): "

@@ -308,6 +308,11 @@ def test_switches_are_emitted_only_when_true(tmp_path, capsys):
     (QN, ["--nproc-per-node", "4", "--tp", "2", "--cp", "2", "--", "--seq-length", "1004"],
      r"seq_length 1004 must be a multiple of 8 \(2 x CP for Megatron's zigzag split, times TP for sequence "
      r"parallelism\)"),
+    (KL, ["--nproc-per-node", "2", "--cp", "2", "--", "--dataloader-inter-document-masking"],
+     r"seq_aux_loss with --dataloader-inter-document-masking at --cp > 1: .*; pass -- "
+     r"--moe-router-load-balancing-type aux_loss"),
+    (QN, ["--nproc-per-node", "2", "--cp", "2", "--", "--dataloader-inter-document-masking"],
+     r"mtp_num_layers with --dataloader-inter-document-masking at --cp > 1: .*; pass -- --mtp-num-layers 0"),
     ("tiny-gdn.json", ["--nproc-per-node", "2", "--", "--tensor-model-parallel-size", "2"],
      r"--tensor-model-parallel-size after --: give the launcher's --tp instead"),
     ("tiny-gdn.json", ["--nproc-per-node", "2", "--", "--expert-model-parallel-size=2"],
@@ -357,6 +362,11 @@ def test_kda_gate_rank_must_split_over_tp(tmp_path, capsys):
     ("kimi-linear-48b-a3b.json", ["--nproc-per-node", "4", "--pp", "4", "--", "--decoder-first-pipeline-num-layers",
                                   "5", "--decoder-last-pipeline-num-layers", "6"],
      ["--decoder-last-pipeline-num-layers"]),
+    # documents at CP > 1: the fixes the errors name
+    (KL, ["--nproc-per-node", "2", "--cp", "2", "--", "--dataloader-inter-document-masking",
+          "--moe-router-load-balancing-type", "aux_loss"], ["--dataloader-inter-document-masking"]),
+    (QN, ["--nproc-per-node", "2", "--cp", "2", "--", "--dataloader-inter-document-masking", "--mtp-num-layers", "0"],
+     ["--mtp-num-layers", "0"]),
     # the trainer's --seq-length is the one checked (2 x CP x TP divides 4104 = 8 x 513)
     (QN, ["--nproc-per-node", "4", "--tp", "2", "--cp", "2", "--", "--seq-length", "4104"], ["--seq-length", "4104"]),
 ])
