@@ -10,10 +10,10 @@ shared expert; RoPE on half the head dims; zero-centred norms):
 
 They give the same ShardedTensors (keys, local and global shapes, offsets); a checkpoint saved by one with
 megatron-core's dist checkpointing loads into the others with equal logits, at the same and at other
-TP / PP / CP / EP sizes (the slow tier). Two genuine differences are strict xfails until fixed
-(/work/notes/interchange_fixes.md): a local checkpoint lacks the empty ``_extra_state`` of the norms TE keeps
-separate (a TE build asks for them), and the KDA hybrid does not build with TE (``gather_output=True``).
-A key map without the input norm's fused name fails the interchange (the negative control).
+TP / PP / CP / EP sizes (the slow tier), at megatron-core's default strictness: the local norms that TE keeps
+separate write TE's empty ``_extra_state`` (:class:`megatron_kcp.layers.norm.SeparateNorm`), and the KDA mixer's
+gathered low-rank factors are local linears under TE too. A key map without the input norm's fused name fails
+the interchange (the negative control).
 """
 from __future__ import annotations
 
@@ -235,17 +235,12 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# the checkpoint entries of megatron-core's TE hybrid that the local build does not write: the _extra_state of
-# TE's norms that stay separate modules (the fused ones live in their linears' _extra_state, which both have)
+# the _extra_state of TE's norms that stay separate modules, which the local build writes too (SeparateNorm; the
+# fused ones live in their linears' _extra_state)
 TE_NORM_EXTRA_STATES = {"decoder.final_layernorm._extra_state"} | {
     f"decoder.layers.{i}.self_attention.out_norm._extra_state" for i in (0, 1, 2)} | {
     f"decoder.layers.{i}.pre_mlp_layernorm._extra_state" for i in (1, 2, 3)} | {
     f"decoder.layers.3.self_attention.{n}_layernorm._extra_state" for n in ("q", "k")}
-EXTRA_STATE_REASON = (
-    "a local checkpoint lacks the _extra_state entries of the norms megatron-core's TE hybrid keeps separate "
-    "(final norm, GDN out_norm, MoE pre-MLP norm, q/k norms: TE's RMSNorm writes one, megatron-core's local "
-    "WrappedTorchNorm and ZeroCenteredRMSNorm none), and a TE build asks for them: load fails with 'Missing key "
-    "in checkpoint state_dict: ..._extra_state' at default strictness (/work/notes/interchange_fixes.md, fix 1)")
 
 
 def _check_te_modules(model, ours: bool):
@@ -300,24 +295,20 @@ def _one_format(tmp):
     tensors = {k: {key: v for key, v in e.items() if v[0] != "object"} for k, e in entries.items()}
     assert tensors["local"] == tensors["te"] == tensors["mcore"]
     assert len(tensors["local"]) > 50
-    assert entries["te"] == entries["mcore"]
-    assert set(entries["mcore"]) - set(entries["local"]) == TE_NORM_EXTRA_STATES
-    assert set(entries["local"]) <= set(entries["mcore"])
+    assert entries["local"] == entries["te"] == entries["mcore"]
+    assert TE_NORM_EXTRA_STATES <= set(entries["local"])
     assert rel(refs["te"], refs["local"]) == 0        # one init: the TE build is the local one with TE modules
     for src, dst in (("mcore", "local"), ("mcore", "te"), ("te", "mcore"), ("local", "mcore"), ("local", "te")):
         model, stack = build(dst)
         with stack:
-            absent = load(model, f"{tmp}/{src}", absent_ok=True)
-            # what a TE build asks a local checkpoint for and does not find: exactly the norms' empty extra state
-            assert absent == (TE_NORM_EXTRA_STATES if src == "local" and dst != "local" else set()), (src, dst, absent)
+            load(model, f"{tmp}/{src}")
             err = rel(logits(model), refs[src])
             assert err < TOL, (src, dst, err)
 
 
 def test_local_te_and_megatron_core_hybrids_share_one_checkpoint(tmp_path):
-    """(a) ours without TE, (b) ours with TE, (c) megatron-core's hybrid: the same ShardedTensors, and every
-    checkpoint loads into the other builds with equal logits (a local checkpoint into a TE build: but for
-    the TE norms' empty _extra_state, see the xfail below)."""
+    """(a) ours without TE, (b) ours with TE, (c) megatron-core's hybrid: the same checkpoint entries, and every
+    checkpoint loads into the other builds with equal logits."""
     spawn(_one_format, 1, str(tmp_path))
 
 
@@ -332,7 +323,6 @@ def _local_into_te_strict(tmp, dst):
         assert rel(logits(model), ref) < TOL
 
 
-@pytest.mark.xfail(strict=True, reason=EXTRA_STATE_REASON)
 def test_local_checkpoint_loads_into_megatron_core_hybrid_at_default_strictness(tmp_path):
     spawn(_local_into_te_strict, 1, str(tmp_path), "mcore")
 
@@ -374,12 +364,6 @@ def test_a_wrong_key_map_fails_the_interchange(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # KDA: megatron-core has no KDA, so only our two builds
 
-KDA_TE_REASON = (
-    "the KDA mixer builds its low-rank first factors (f_proj.0, g_proj.0) with backend.column_parallel_linear() and "
-    "gather_output=True, which TE's TEColumnParallelLinear refuses ('Transformer Engine linear layers do not "
-    "support gather_output = True'): the KDA hybrid does not build with TE (/work/notes/interchange_fixes.md, fix 2)")
-
-
 def _kda_one_format(tmp):
     entries, refs = {}, {}
     for kind in ("local", "te"):
@@ -388,21 +372,15 @@ def _kda_one_format(tmp):
             entries[kind] = checkpoint_entries(model)
             save(model, f"{tmp}/{kind}")
             refs[kind] = logits(model)
-    tensors = {k: {key: v for key, v in e.items() if v[0] != "object"} for k, e in entries.items()}
-    assert tensors["local"] == tensors["te"]
-    extra = set(entries["te"]) - set(entries["local"])
-    assert set(entries["local"]) <= set(entries["te"])
-    assert extra and all(k.endswith(("layernorm._extra_state")) for k in extra), extra
+    assert entries["local"] == entries["te"]
     for src, dst in (("local", "te"), ("te", "local")):
         model, stack = build(dst, "kda")
         with stack:
-            absent = load(model, f"{tmp}/{src}", absent_ok=True)
-            assert absent == (extra if src == "local" else set())
+            load(model, f"{tmp}/{src}")
             err = rel(logits(model), refs[src])
             assert err < TOL, (src, dst, err)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KDA_TE_REASON)
 def test_kda_hybrid_local_and_te_share_one_checkpoint(tmp_path):
     spawn(_kda_one_format, 1, str(tmp_path))
 

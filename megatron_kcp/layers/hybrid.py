@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from megatron_kcp.environment import te_available
 from megatron_kcp.layers.attention import CPDotProductAttention, KCPMLASelfAttention, KCPSelfAttention
-from megatron_kcp.layers.norm import ZeroCenteredRMSNorm
+from megatron_kcp.layers.norm import SeparateNorm, ZeroCenteredRMSNorm
 from megatron_kcp.layers.pattern import is_linear_layer, is_moe_layer
 
 
@@ -82,6 +82,10 @@ def check_config(config) -> None:
         raise ValueError("--mtp-num-layers at --context-parallel-size > 1 needs TransformerEngine: Megatron builds "
                          "the MTP layer from megatron-core's own GPT spec, whose local attention refuses CP > 1; "
                          "install TE, or train MTP at --context-parallel-size 1")
+    if config.mtp_num_layers and config.layernorm_zero_centered_gamma and not te_available():
+        raise ValueError("--mtp-num-layers with --apply-layernorm-1p needs TransformerEngine: Megatron builds the MTP "
+                         "layer from megatron-core's own local spec, whose norm refuses a zero-centred gamma; install "
+                         "TE, or drop one of the two")
     if (config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ())
             and not te_available()):
         # megatron-core 0.19's CheckpointWithoutOutput() reads TE's FP8 state (NameError without TE)
@@ -165,4 +169,20 @@ def layer_submodules(config, layer_number: int, hybrid: HybridLayerSubmodules,
         mlp=mlp, mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys)
     if local and config.layernorm_zero_centered_gamma:
         submodules = _with_local_norms(submodules, config)
-    return submodules
+    return _with_separate_norms(submodules) if local else submodules
+
+
+def _with_separate_norms(sub: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    """The local norms that megatron-core's TE hybrid keeps as modules of their own (no fused key in the
+    map) as :class:`SeparateNorm`, which writes TE's empty ``_extra_state``."""
+    local_norms = (WrappedTorchNorm, ZeroCenteredRMSNorm)
+    keys = sub.sharded_state_dict_keys_map
+    changes = {name: SeparateNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+               if f"{name}." not in keys and getattr(sub, name) in local_norms}
+    mixer = sub.self_attention
+    inner = {name: SeparateNorm for name in ("out_norm", "q_layernorm", "k_layernorm", "kv_layernorm")
+             if getattr(mixer.submodules, name, None) in local_norms and f"self_attention.{name}." not in keys}
+    if inner:
+        changes["self_attention"] = dataclasses.replace(mixer, submodules=dataclasses.replace(mixer.submodules,
+                                                                                              **inner))
+    return dataclasses.replace(sub, **changes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -184,7 +185,10 @@ class KCPKimiDeltaAttention(MegatronModule):
         whole_seq.sequence_parallel = False
 
         def col(name, n_in, n_out, gather=False, bias=False, cfg=config):
-            return build_module(submodules.column_linear, n_in, n_out, config=cfg, init_method=config.init_method,
+            # TE's linears refuse gather_output: the gathered low-rank factors are megatron-core's local linear
+            # (the same checkpoint entries) on every backend
+            linear = ColumnParallelLinear if gather else submodules.column_linear
+            return build_module(linear, n_in, n_out, config=cfg, init_method=config.init_method,
                                 gather_output=gather, bias=bias, skip_bias_add=False, is_expert=False,
                                 tp_comm_buffer_name=name, tp_group=pg_collection.tp)
 

@@ -45,11 +45,51 @@ class LocalNorm:
         return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
 
 
+class TEExtraState:
+    """TE's norms' checkpoint entry: an empty uint8 ``_extra_state`` (TE's ``BasicOperation.get_extra_state``
+    without FP8), which megatron-core's TE hybrid writes for every norm it keeps as a module of its own."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is not None and not (isinstance(state, torch.Tensor) and state.numel() == 0):
+            raise ValueError("a norm's _extra_state holds FP8 metadata: load this checkpoint with TransformerEngine")
+
+
+class _SeparateRMSNorm(TEExtraState, torch.nn.RMSNorm):
+    pass
+
+
+class _SeparateLayerNorm(TEExtraState, torch.nn.LayerNorm):
+    pass
+
+
+class _SeparateZeroCenteredRMSNorm(TEExtraState, ZeroCenteredRMSNorm):
+    pass
+
+
+class SeparateNorm:
+    """:class:`LocalNorm` where megatron-core's TE hybrid keeps a ``TENorm`` of its own (the final norm, GDN's
+    out_norm, q/k norms, an MoE layer's pre-MLP norm, a KDA or MLA layer's input norm): the same module and
+    parameters plus TE's empty ``_extra_state``, so that a local checkpoint holds every entry a TE build reads.
+    (A norm fused into the next linear under TE must not have one: its keys are the linear's.)"""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        if config.layernorm_zero_centered_gamma:
+            return _SeparateZeroCenteredRMSNorm(config, hidden_size, eps)
+        norm = LocalNorm(config, hidden_size, eps)      # megatron-core's checks, then the same class with the entry
+        separate = {torch.nn.RMSNorm: _SeparateRMSNorm, torch.nn.LayerNorm: _SeparateLayerNorm}.get(type(norm))
+        if separate is None:
+            raise ValueError(f"normalization {config.normalization!r}: the local specs take RMSNorm or LayerNorm")
+        return separate(hidden_size, eps=eps)
+
+
 def use_local_final_norm() -> None:
     """Without TE and apex, megatron-core's TransformerBlock builds its final norm as ``WrappedTorchNorm``
-    (``transformer_block.LayerNormImpl``), which refuses a zero-centred gamma: make it :class:`LocalNorm`,
-    which builds the same norm for every other config."""
+    (``transformer_block.LayerNormImpl``), which refuses a zero-centred gamma: make it :class:`SeparateNorm`,
+    which builds the same norm for every other config, with TE's checkpoint entry."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     if transformer_block.LayerNormImpl is WrappedTorchNorm:
-        transformer_block.LayerNormImpl = LocalNorm
+        transformer_block.LayerNormImpl = SeparateNorm
