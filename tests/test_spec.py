@@ -254,6 +254,17 @@ def _model_from_config(kind):
         assert (sharded["decoder.layers.1.self_attention.kv_layernorm.weight"]
                 == "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight")
     tokens = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():     # a THD pack of two documents: each as on its own (MLA's padded value heads trimmed)
+        from megatron.core.packed_seq_params import PackedSeqParams
+        model.eval()
+        cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+        pack = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=10, max_seqlen_kv=10)
+        position = torch.cat([torch.arange(6), torch.arange(10)])[None]
+        packed = model(tokens, position, attention_mask=None, packed_seq_params=pack)
+        alone = torch.cat([model(tokens[:, a:b], torch.arange(b - a)[None], attention_mask=None)
+                           for a, b in ((0, 6), (6, 16))], 1)
+        assert rel_err(packed, alone) < 1e-5, rel_err(packed, alone)
+        model.train()
     loss = model(tokens, torch.arange(16)[None], attention_mask=None, labels=tokens).float().mean()
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)

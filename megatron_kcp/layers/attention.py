@@ -146,7 +146,8 @@ class CPDotProductAttention(MegatronModule):
         query attends to the keys of its own document up to itself. Keys and values are all-gathered and
         put in stream order; each of this rank's pieces of a document then attends, lower-right causal,
         to its document's keys up to the piece's end: the work of the documents' own causal attention,
-        one call a piece. Returns ``[t, 1, heads * d]``."""
+        one call a piece. Returns ``[t, heads * d]``, as TE's THD attention (megatron-core's MLA trims its
+        padded value heads from that shape)."""
         cu, layout = thd_cu_seqlens(packed_seq_params), thd_layout(packed_seq_params, self.cp_size)
         rank = dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
         pieces, order = _pack_pieces(cu, layout, self.cp_size, rank, str(query.device))
@@ -163,7 +164,7 @@ class CPDotProductAttention(MegatronModule):
         use_tracker = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if use_tracker else contextlib.nullcontext():
             out = attend_pieces(q, k, v, pieces, dropout_p, self.softmax_scale)
-        return out[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+        return out[0].transpose(0, 1).reshape(query.shape[0], -1)         # as TE's THD attention returns it
 
 
 def attend_pieces(q, k, v, pieces, dropout_p: float, scale: float) -> torch.Tensor:
@@ -180,7 +181,7 @@ def attend_pieces(q, k, v, pieces, dropout_p: float, scale: float) -> torch.Tens
     Returns:
         ``[1, heads, t, d]``.
     """
-    if _varlen_applies(q, dropout_p):
+    if _varlen_applies(q, v, dropout_p):
         return _attend_varlen(q, k, v, pieces, scale)
     outs, at = [], 0
     for s, e, start in pieces:      # queries [s, e) of the document that starts at ``start``
@@ -189,9 +190,12 @@ def attend_pieces(q, k, v, pieces, dropout_p: float, scale: float) -> torch.Tens
     return torch.cat(outs, 2)
 
 
-def _varlen_applies(q: torch.Tensor, dropout_p: float) -> bool:
-    """torch's varlen flash attention runs this: CUDA, fp16/bf16, no dropout, a head dim flash takes."""
+def _varlen_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """torch's varlen flash attention runs this: CUDA, fp16/bf16, no dropout, one head dim (MLA's value head
+    dim differs from its query's) that flash takes."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0):
+        return False
+    if v.shape[-1] != q.shape[-1]:
         return False
     if q.shape[-1] % 8 or q.shape[-1] > 256:
         return False

@@ -6,6 +6,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from megatron_kcp.environment import te_available
 from megatron_kcp.layers.batch import Batch, megatron_route
 from megatron_kcp.layers.hybrid import HybridLayerSubmodules, layer_submodules
 from megatron_kcp.layers import layout
@@ -30,7 +31,11 @@ class KCPTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number=layer_number, vp_stage=vp_stage,
                          pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, add_layer_offset=add_layer_offset,
                          **kwargs)
-        if config.context_parallel_size > 1 and megatron_route() is not None:      # before the first step
+        if megatron_route() is not None and config.mtp_num_layers and not te_available():   # before the first step
+            raise ValueError("--mtp-num-layers on documents (--sft, --dataloader-inter-document-masking) needs "
+                             "TransformerEngine: Megatron builds the MTP layer from megatron-core's own local spec, "
+                             "whose attention takes no THD packs; install TE, or train MTP on rows")
+        if config.context_parallel_size > 1 and megatron_route() is not None:
             self._check_moe_on_packs()
         if config.context_parallel_size > 1 and megatron_route() == "zigzag":
             check_whole_stream(self.self_attention, self.layer_number)
