@@ -101,9 +101,9 @@ def import_hf(hf_dir: str, out_dir: str, drop=(), mtp_num_layers: int | None = N
     ckpt = io.HFCheckpoint(hf_dir)
     family = family_for(ckpt.config)
     if mtp_num_layers:
-        raise ConvertError(f"--mtp-num-layers {mtp_num_layers}: megatron_kcp's specs build no MTP block "
-                           "(megatron-core's MTP layer is not a KCP hybrid layer); leave the MTP weights out with "
-                           "--drop-mtp")
+        raise ConvertError(f"--mtp-num-layers {mtp_num_layers}: the converter does not map MTP weights yet "
+                           "(Megatron builds the MTP block from megatron-core's own GPT layer spec); leave them out "
+                           "with --drop-mtp")
     names = ckpt.names
     dropped = set(dropped_names(family, names, drop))
     names = [n for n in names if n not in dropped]
