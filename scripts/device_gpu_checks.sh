@@ -27,7 +27,7 @@
 set -uo pipefail
 SUITES="layout_w4_block_gdn layout_w4_block_kda layout_w4_mixers train_gdn train_kda ops_w2 ops_w4 layout_mixers
   layout_block_gdn layout_block_kda ops_pieces ops_conv ops_poison ops_poison_qla ops_poison_w4 ops_poison_w4_qla
-  layers_w4 layers_w2 layers_slow nccl graph ops_w1 memory"
+  layers_w4 layers_w2 layers_slow nccl graph ops_w1 whole_stream documents models_convert memory"
 for s in ${KCP_CHECK_SUITES:-}; do
   [[ " ${SUITES//$'\n'/ } " == *" $s "* ]] || {
     echo "KCP_CHECK_SUITES has $s: name suites from: $(echo $SUITES), separated by spaces" >&2; exit 2; }
@@ -115,6 +115,9 @@ pool layers_slow tests/layers/test_attention.py tests/layers/test_layers_cuda.py
 pool nccl tests/ops/test_kcp_cuda.py -k "no_host_sync or over_nccl"     # 2 GPUs (skips on one)
 pool graph tests/ops/test_kcp_cuda.py -k replays
 pool ops_w1 tests/ops/test_kcp_cuda.py tests/parallel/test_gather.py -k "fla_matches or scattered or fold_on_the_gpu"
+pool whole_stream tests/layers/test_layout.py -k whole_stream_layout_on_gpu   # --dataloader-inter-document-masking cuts
+pool documents tests/test_train_data_cuda.py      # pretrain_gpt.py and megatron_kcp.train, tiny presets incl. MoE, MTP
+pool models_convert tests/convert/test_convert_cuda.py    # converted HF models against transformers, bf16
 [ -z "${KCP_SKIP_MEMORY:-}" ] && pool memory
 wait
 pack
