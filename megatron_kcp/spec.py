@@ -30,6 +30,7 @@ try:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_kcp.layers import gdn, kda  # noqa: F401  (the mixers' modules: a missing dependency stops here)
     from megatron_kcp.layers.hybrid import HybridLayerSubmodules
     from megatron_kcp.layers.norm import use_local_final_norm
     from megatron_kcp.layers.transformer_layer import KCPTransformerLayer

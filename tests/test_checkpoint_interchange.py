@@ -427,10 +427,9 @@ def test_tp2_checkpoints_of_ours_load_into_megatron_core_hybrid_at_tp1(tmp_path)
     spawn(_run, 2, tmp, "te", "te_tp2", None, _sizes(tp=2), tp=2)
     spawn(_run, 1, tmp, "mcore", "mcore_from_local", "local_tp2", _sizes())
     spawn(_run, 1, tmp, "mcore", "mcore_from_te", "te_tp2", _sizes())
-    for src, dst, absent in (("local_tp2", "mcore_from_local", TE_NORM_EXTRA_STATES),
-                             ("te_tp2", "mcore_from_te", set())):
+    for src, dst in (("local_tp2", "mcore_from_local"), ("te_tp2", "mcore_from_te")):
         a, b = _result(tmp, src), _result(tmp, dst)
-        assert b["absent"] == absent
+        assert b["absent"] == set()             # the local norms write TE's empty extra state too
         assert rel(b["logits"], a["logits"]) < TOL, (src, dst, rel(b["logits"], a["logits"]))
 
 
