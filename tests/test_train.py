@@ -237,3 +237,18 @@ def test_training_with_the_layout_conversion_matches_without(preset, tmp_path, m
     diffs = [abs(a - b) / abs(b) for a, b in zip(runs["1"], runs["0"])]
     assert runs["0"][-1] < runs["0"][0] - 0.1, runs["0"]          # it trains
     assert max(diffs) < 1e-5, list(zip(runs["0"], runs["1"]))
+
+
+def _mtp_step():
+    args, build = _small_model("tiny-gdn.json", 1, ("--mtp-num-layers", "1"))
+    model = build()
+    assert type(model.mtp).__name__ == "MultiTokenPredictionBlock"
+    grads = entry_step(model, args.seq_length)["grads"]
+    mtp = {n: g for n, g in grads.items() if n.startswith("mtp.")}
+    assert mtp and all(g.abs().sum() > 0 for g in mtp.values()), [n for n, g in mtp.items() if not g.abs().sum()]
+
+
+def test_mtp_trains_through_megatrons_own_mtp_block():
+    """--mtp-num-layers builds Megatron's MTP block (megatron-core's GPT layer after our hybrid decoder) and its
+    loss reaches every MTP parameter through the entry's get_batch and forward_step."""
+    spawn(_mtp_step, 1)

@@ -4,7 +4,8 @@ megatron-core places some parameters with ``device=torch.cuda.current_device()``
 initialises them under the CUDA RNG tracker; on a CPU-only machine both are redirected to the
 CPU (the tracker's fork becomes a no-op, so initialisation draws from torch's CPU generator).
 Activation recomputation saves and restores the CPU generator only, and the pipeline schedules'
-token counter (``torch.zeros(..., device="cuda")``) lives on the CPU.
+token counter (``torch.zeros(..., device="cuda")``) and the causal mask of megatron-core's local attention live on
+the CPU.
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def enable():
     tp_random._set_all_rng_states = lambda cpu_state, cuda_state, tracker_states: torch.set_rng_state(cpu_state)
     import megatron.core.pipeline_parallel.schedules as schedules
     schedules.torch = _TorchOnCPU()
+    import megatron.core.fusions.fused_softmax as fused_softmax       # megatron-core's local attention (MTP's layer)
+    fused_softmax.get_default_causal_mask = _causal_mask
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
 class _TorchOnCPU:
