@@ -2,8 +2,9 @@
 
 Each check fails early with the fix, where the library would fail late or compute wrong numbers.
 Megatron's defaults assume TransformerEngine's (and apex's) fused kernels: without TE,
-``pretrain_gpt.py`` stops at startup (RoPE fusion, persistent layer norm) or at the first linear
-(gradient accumulation fusion) unless :data:`NO_TE_ARGS` turn them off.
+``pretrain_gpt.py`` stops at startup (RoPE fusion, persistent layer norm), at the first linear
+(gradient accumulation fusion) or in the first bf16 softmax of megatron-core's local attention (apex's
+``scaled_masked_softmax_cuda``: the MTP layer's) unless :data:`NO_TE_ARGS` turn them off.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ QLA_VERSION = "0.1.3"
 QLA_HEAD_DIM = 128
 QLA_ARCHS = ((9, 0), (10, 0), (10, 3))       # where flash-qla's chunk is 64 and every kernel exists
 NO_TE_ARGS = (("--transformer-impl", "local"), ("--no-rope-fusion",), ("--no-gradient-accumulation-fusion",),
-              ("--no-persist-layer-norm",))
+              ("--no-persist-layer-norm",), ("--no-masked-softmax-fusion",))
 
 
 def _capability(device: torch.device | None) -> tuple[int, int]:

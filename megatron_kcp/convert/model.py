@@ -27,6 +27,9 @@ def single_rank_world():
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        if torch.cuda.is_available():       # megatron-core's modules fork its CUDA RNG tracker where there is a GPU
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(0)
     try:
         yield
     finally:
@@ -55,7 +58,8 @@ def config_class(kind: str):
 
 def build_model(spec, dtype: torch.dtype = torch.float32, **gpt_overrides):
     """The GPTModel of ``spec`` (a ModelSpec) in the current parallel state, parameters in ``dtype`` on the CPU
-    (without a GPU, megatron-core's CUDA placements are redirected there, megatron_kcp.testing.megatron_cpu).
+    (without a GPU, megatron-core's CUDA placements are redirected there, megatron_kcp.testing.megatron_cpu),
+    left uninitialised: the caller loads every one (``import_hf`` and ``io.load_megatron`` check that).
 
     Args:
         spec: the family's ModelSpec.
@@ -74,7 +78,8 @@ def build_model(spec, dtype: torch.dtype = torch.float32, **gpt_overrides):
     layer_spec = spec_from_name(spec.spec, where=f"the converter's spec {spec.spec}")
     fields = dict(spec.config)
     fields.update(params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-                  fp16=dtype == torch.float16, use_cpu_initialization=True, activation_func=F.silu,
+                  fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
+                  activation_func=F.silu,
                   bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                   masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
     from megatron.core import parallel_state as ps
