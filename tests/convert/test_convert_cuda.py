@@ -38,4 +38,5 @@ def test_converted_logits_match_transformers_on_gpu_bf16(family, tmp_path):
         ours = model.cuda()(toks.cuda(), position_ids, None).float().cpu()
     err_ours, err_theirs = rel_err(ours, ref), rel_err(theirs, ref)
     print(f"{family}: bf16 on the GPU against fp32: megatron_kcp {err_ours:.2e}, transformers {err_theirs:.2e}")
-    assert 0 < err_theirs < 0.05 and err_ours <= 1.5 * err_theirs, (err_ours, err_theirs)
+    # bf16 moves these tiny random models' logits by 6 to 12 % (H200); a model with a wrong tensor is off by ~1
+    assert 0 < err_theirs < 0.25 and err_ours <= 1.5 * err_theirs, (err_ours, err_theirs)
