@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import append_csv, cu_seqlens  # noqa: E402
-from megatron_kcp.ops import conv_fla, conv_gluon, conv_reference  # noqa: E402
-from megatron_kcp.parallel.plan import build_plan  # noqa: E402
+from megatron_kcp.kernels import conv_fla, conv_gluon, conv_reference  # noqa: E402
+from megatron_kcp.plan import build_plan  # noqa: E402
 
 COLUMNS = ("gpu", "W", "layout", "tokens", "docs", "shape", "channels", "calls", "dtype", "backend", "fwd_ms", "ms",
            "err", "note")

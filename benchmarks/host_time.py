@@ -43,7 +43,7 @@ from benchmarks import simulate  # noqa: E402
 from benchmarks.common import cu_seqlens, fresh_leaves  # noqa: E402
 from benchmarks.perdoc import DOCS, SHAPES, TINY, inputs  # noqa: E402
 from benchmarks.timing import kernel_time  # noqa: E402
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
+from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline", "step_ms", "host_ms", "kernel_ms",
            "launches", "graph_ms", "note")
@@ -69,7 +69,7 @@ def rank_step(plan, xs, do, backend: str, max_segment: int | None = None):
 
 def peer_step(plan, xs, do):
     """``step()``: fla's single-device call on this rank's tokens, one sequence a local segment."""
-    from megatron_kcp.ops.core_fla import fla_chunk
+    from megatron_kcp.kernels.core_fla import fla_chunk
     idx = local_token_index(plan).to(do.device)
     leaves, dl = fresh_leaves(x[:, idx] for x in xs), do[:, idx].contiguous()
     cpu = torch.tensor(plan.cu_seqlens, dtype=torch.long)

@@ -41,8 +41,8 @@ def timed(fn, warmup, iters) -> float:
 
 
 def case(model, T, docs, H, args, rows):
-    from megatron_kcp.ops import core_fla
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.kernels import core_fla
+    from megatron_kcp.plan import build_plan
     cu = cu_seqlens(docs, T)
     plan = build_plan(cu, "contiguous", 1, 0, 4)
     xs, do = problem(model, T, H, 128, torch.bfloat16, torch.device("cuda"), seed=0)

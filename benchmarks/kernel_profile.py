@@ -20,7 +20,7 @@ ITERS = 5
 
 def profile_case(b: Bench, model, T, docs, H):
     from megatron_kcp.ops import kcp
-    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from megatron_kcp.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
     from benchmarks.ops import KCP_METHODS, cp2hp, kcp_backend
     cu = cu_seqlens(docs, T, pad=2 * W)

@@ -27,7 +27,7 @@ def _packed(docs, T, W):
     """(PackedSeqParams of the THD batch, or None for one sequence; local rows of rank r)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from megatron_kcp.plan import build_plan, local_token_index
     from megatron_kcp.testing.layers import zigzag_rows
     if docs == "single":
         return None, lambda t, cp, r: t if cp == 1 else zigzag_rows(t, cp, r)
@@ -159,7 +159,7 @@ def run_layers(b: Bench, table: Table):
     if not b.cuda:
         import megatron.core.ssm.gated_delta_net.common as common
 
-        from megatron_kcp.ops.reference import l2norm
+        from megatron_kcp.kernels.reference import l2norm
         common.l2norm = l2norm           # fla's l2norm is a Triton kernel; megatron's CPU path needs this one
     ps.initialize_model_parallel(context_parallel_size=W)
     solo = solo_pg()

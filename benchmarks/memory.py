@@ -43,7 +43,7 @@ def peak_mib(args, model, plan, group, device) -> float:
 
 
 def _rank(rank, W, port, args, queue):
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     from megatron_kcp.testing.fast_autotune import enable
     enable()
     b = Bench(args, init_rank(rank, W, port, "cuda"), W, rank)
@@ -69,7 +69,7 @@ def table(base, rows) -> str:
 
 def report(args, cps):
     """Measure on one GPU here, then at every CP size in ``cps``; print the table."""
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     from megatron_kcp.testing.fast_autotune import enable
     enable()
     cu = cu_seqlens(args.docs[0], args.tokens[0], pad=2 * max(cps))

@@ -25,7 +25,7 @@ def chunk_kernel(model: str, device: torch.device):
     """o = run(q, k, v, g, beta, cu, cu_cpu, cp_context=None, use_qk_l2norm=True): fla's chunk kernel on
     CUDA, the pure-torch chunked reference on CPU (no CP context there)."""
     if device.type == "cpu":
-        from megatron_kcp.ops import reference
+        from megatron_kcp.kernels import reference
 
         def run(q, k, v, g, beta, cu=None, cu_cpu=None, cp_context=None, use_qk_l2norm=True):
             return reference.chunk_gated_delta_rule_fp64(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm,
@@ -117,7 +117,7 @@ def fla_cp(kernel, plan, cu, group, dev):
 def ops_case(b: Bench, model, T, docs, H, table):
     """Every method of one (model, T, docs, H); rows go to ``table`` (rank 0) as they finish."""
     from megatron_kcp.ops import kcp
-    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from megatron_kcp.plan import build_plan, local_token_index
     args, W, rank, dev = b.args, b.W, b.rank, b.device
     cu = cu_seqlens(docs, T, pad=2 * W)
     cu_dev, cu_cpu = torch.tensor(cu, device=dev), torch.tensor(cu)

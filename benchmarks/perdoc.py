@@ -63,7 +63,7 @@ import torch  # noqa: E402
 from benchmarks import simulate  # noqa: E402
 from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves, split_parts  # noqa: E402
 from benchmarks.table import COLUMNS  # noqa: E402
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan  # noqa: E402
+from megatron_kcp.plan import LAYOUTS, build_plan  # noqa: E402
 
 DOCS = ("single", "varlen", "varlen100", "varlen300")
 
@@ -166,7 +166,7 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
     call with and without the op's conversion, on the tokens in ``layout`` (Megatron's cut). A method that
     fails (out of memory) is left out, said. ``done(key, result)`` is called as each finishes."""
     from megatron_kcp.ops import dispatch, kcp
-    from megatron_kcp.parallel.convert import target_plan
+    from megatron_kcp.parallel.relayout_exchange import target_plan
     from megatron_kcp.parallel.cost_model import pipeline_depth
     from megatron_kcp.parallel.relayout import relayout
     out, want = {}, set(args.methods)
@@ -245,7 +245,7 @@ def single_core(s: Shape, cu, xs, do, args, heads_div: int = 1, qla: bool = Fals
     do = do[:, :, : do.shape[2] // heads_div].contiguous()
     cu_dev = torch.tensor(cu, device=dev, dtype=torch.long)
     if args.smoke:
-        from megatron_kcp.ops import reference
+        from megatron_kcp.kernels import reference
         fn = (lambda *x: reference.chunk_gated_delta_rule_fp64(*x, use_qk_l2norm=True, cu_seqlens=torch.tensor(cu))[0])
     elif qla:
         from benchmarks.ops import flash_qla_call
@@ -528,7 +528,7 @@ def init_megatron(dev):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

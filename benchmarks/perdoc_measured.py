@@ -69,7 +69,7 @@ from benchmarks import perdoc  # noqa: E402
 from benchmarks.common import (CONV, cu_seqlens, env, fresh_leaves, init_rank, measured_world, rel_err,  # noqa: E402
                                spawn)
 from benchmarks.timing import Bench  # noqa: E402
-from megatron_kcp.parallel.plan import build_plan, local_token_index  # noqa: E402
+from megatron_kcp.plan import build_plan, local_token_index  # noqa: E402
 
 LEVELS = ("ops", "mixer", "block")
 # ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart-graph, the peer
@@ -505,7 +505,7 @@ def kcp_note(c: Case, mod, what: str) -> str:
 def worker(rank, W, port, args, shapes):
     from megatron.core import parallel_state as ps
 
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     from megatron_kcp.testing.layers import solo_pg
     b = Bench(args, init_rank(rank, W, port, args.device), W, rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // W))

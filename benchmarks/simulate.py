@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import CONV, DOCS, cu_seqlens, fresh_leaves, problem  # noqa: E402
 from megatron_kcp.parallel import gather, relay  # noqa: E402
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
+from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "backend", "noCP_fwd_ms", "noCP_ms",
            "pred_fwd_ms", "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")

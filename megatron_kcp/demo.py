@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron_kcp.ops import kcp
-from megatron_kcp.parallel.plan import build_plan, check_cu_seqlens, local_token_index
+from megatron_kcp.plan import build_plan, check_cu_seqlens, local_token_index
 
 CONV = 4        # the short conv's kernel size
 

@@ -48,7 +48,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_kcp import split_spec_name
+from megatron_kcp.spec_names import split_spec_name
 from megatron_kcp.data import default_data_args
 from megatron_kcp.environment import no_te_args
 from megatron_kcp.sizes import check_head_dims, check_moe_split, check_split, divisors

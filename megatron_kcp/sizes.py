@@ -7,7 +7,7 @@ it (a preset key, or a command-line flag such as ``--seq-length``).
 """
 from __future__ import annotations
 
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp.plan import MAX_HEAD_DIM
 
 __all__ = ["MAX_HEAD_DIM", "check_head_dims", "check_moe_split", "check_split", "divisors"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from megatron_kcp import SPEC_NAMES, is_spec_name, split_spec_name
+from megatron_kcp.spec_names import SPEC_NAMES, is_spec_name, split_spec_name
 from megatron_kcp.environment import te_available
 from megatron_kcp.wheel import skip_make_of_prebuilt_dataset_helpers
 

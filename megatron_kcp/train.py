@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from megatron_kcp import SPEC_NAMES
+from megatron_kcp.spec_names import SPEC_NAMES
 from megatron_kcp.environment import no_te_args, te_available
 from megatron_kcp.sizes import check_head_dims, check_split
 from megatron_kcp.spec import spec_from_name

@@ -67,7 +67,7 @@ def _causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, ou
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                             use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
-    from megatron_kcp.ops import reference
+    from megatron_kcp.kernels import reference
     return reference.chunk_gated_delta_rule_fp64(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                  output_final_state=output_final_state,
                                                  use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
@@ -78,7 +78,7 @@ def megatron_gdn_on_cpu():
     import megatron.core.ssm.gated_delta_net.common as common
     import megatron.core.ssm.gated_delta_net.gdn as gdn
 
-    from megatron_kcp.ops import reference
+    from megatron_kcp.kernels import reference
     patches = [(gdn, "causal_conv1d", _causal_conv1d), (gdn, "chunk_gated_delta_rule", _chunk_gated_delta_rule),
                (common, "l2norm", reference.l2norm)]
     saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
@@ -98,8 +98,8 @@ def megatron_gdn_on_cpu():
 def build(build_kind: str, mixer: str = "gdn", **parallel):
     """A GPTModel of the config: ``local``, ``te`` (our hybrid under the TE stand-in) or ``mcore``
     (megatron-core's own hybrid under the stand-in). Keep the returned context open while it runs."""
-    import megatron_kcp.testing.megatron_cpu
-    megatron_kcp.testing.megatron_cpu.enable()
+    import megatron_kcp.megatron_cpu
+    megatron_kcp.megatron_cpu.enable()
     from megatron.core.models.gpt import GPTModel
 
     import megatron_kcp.spec as spec

@@ -132,7 +132,7 @@ def test_main_prints_one_line(files, capsys):
 
 
 def _samples(argv, out):
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     from megatron.training import get_tokenizer
     args = train.parse_args([x for x in argv if x != "--bf16"] + ["--use-cpu-initialization", *SMALL])

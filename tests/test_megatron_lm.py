@@ -89,7 +89,7 @@ def test_readme_commands_are_the_launchers(index, preset, capsys):
 def _pretrain_gpt_builds(index, tmp_dir):
     """pretrain_gpt.py's startup up to the model: its parse_and_validate_args call, gpt_config_from_args
     (the spec imported by Megatron's import_module, patched for the one-token command), the builder."""
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     import megatron.training.argument_utils as argument_utils
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -124,7 +124,7 @@ def test_readme_commands_build_the_hybrids_as_pretrain_gpt_does(index, tmp_path,
 
 
 def _stops_without_te_flags():
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -154,7 +154,7 @@ def _real_pretrain_gpt_step(index, data=()):
     import importlib.util
 
     import torch
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     torch.Tensor.cuda = lambda self, *a, **k: self
     from megatron.core.process_groups_config import ProcessGroupCollection

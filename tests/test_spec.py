@@ -11,8 +11,8 @@ from megatron_kcp.testing.distributed import rel_err, spawn
 
 
 def _gpt(freq, name="gdn_hybrid_layer_spec", config_class=None, module="megatron_kcp.spec", **config):
-    import megatron_kcp.testing.megatron_cpu
-    megatron_kcp.testing.megatron_cpu.enable()
+    import megatron_kcp.megatron_cpu
+    megatron_kcp.megatron_cpu.enable()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import import_module
     from megatron_kcp.layers.kda import KDAConfig

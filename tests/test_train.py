@@ -84,7 +84,7 @@ def _small_model(preset, cp, extra, shrink=SMALL, cpu_init=True):
     (fp32; initialised on the CPU unless ``cpu_init=False``). Returns the args and a builder
     ``build(startup_draws=0)``: ``startup_draws`` numbers are drawn from the default CUDA generator
     after seeding, as Megatron's fusion warm-up does before it builds the model."""
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     from megatron.core.process_groups_config import ProcessGroupCollection
     argv = [a for a in _argv(preset, 1, cp, False, *extra) if a != "--bf16"]

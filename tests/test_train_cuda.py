@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.parallel.plan import build_plan, local_token_index
+from megatron_kcp.plan import build_plan, local_token_index
 from megatron_kcp.testing.distributed import rel_err, spawn
 from tests.test_train import _small_model, entry_step
 
@@ -56,7 +56,7 @@ def _step(preset, core, out):
         import functools
 
         from megatron_kcp.ops import dispatch, kcp
-        from megatron_kcp.ops.core_reference import ReferenceCore
+        from megatron_kcp.kernels.core_reference import ReferenceCore
         dispatch.build_core = lambda *args: ReferenceCore()
         kcp.causal_conv1d = functools.partial(kcp.causal_conv1d, backend="reference")
     group = ps.get_context_parallel_group()

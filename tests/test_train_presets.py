@@ -119,7 +119,7 @@ def _real_pretrain_gpt_step(preset):
     import shlex
     import sys
 
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     torch.Tensor.cuda = lambda self, *a, **k: self
     from megatron.core import parallel_state as ps

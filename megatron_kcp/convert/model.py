@@ -58,7 +58,7 @@ def config_class(kind: str):
 
 def build_model(spec, dtype: torch.dtype = torch.float32, **gpt_overrides):
     """The GPTModel of ``spec`` (a ModelSpec) in the current parallel state, parameters in ``dtype`` on the CPU
-    (without a GPU, megatron-core's CUDA placements are redirected there, megatron_kcp.testing.megatron_cpu),
+    (without a GPU, megatron-core's CUDA placements are redirected there, megatron_kcp.megatron_cpu),
     left uninitialised: the caller loads every one (``import_hf`` and ``io.load_megatron`` check that).
 
     Args:
@@ -72,7 +72,7 @@ def build_model(spec, dtype: torch.dtype = torch.float32, **gpt_overrides):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     from megatron_kcp.spec import spec_from_name
     layer_spec = spec_from_name(spec.spec, where=f"the converter's spec {spec.spec}")

@@ -239,7 +239,7 @@ def _pack_pieces(cu: tuple[int, ...], layout: str, world_size: int, rank: int, d
     at document edges), as ``(start, end, document start)`` in the stream; and (``world_size`` > 1) the gathered rows'
     order: for each stream position, its row among the ranks' rows all-gathered in rank order (on
     ``device``, copied once; None at one rank)."""
-    from megatron_kcp.parallel.plan import all_plans, local_token_index
+    from megatron_kcp.plan import all_plans, local_token_index
     plans = all_plans(cu, layout, world_size)
     p = plans[rank]
     pieces = tuple((s, s + b - a, cu[d]) for s, a, b, d in zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq))
@@ -298,7 +298,7 @@ def stream_rope(rotary_pos_emb, packed_seq_params, cp_group):
 @functools.lru_cache(maxsize=64)
 def _in_document_positions(cu: tuple[int, ...], world_size: int, rank: int, device: str) -> torch.Tensor:
     """Each of this rank's tokens' position in its document, the stream cut zigzag (on ``device``, built once)."""
-    from megatron_kcp.parallel.plan import all_plans
+    from megatron_kcp.plan import all_plans
     p = all_plans(cu, "zigzag", world_size)[rank]
     return torch.cat([torch.arange(s - cu[d], s - cu[d] + b - a) for s, a, b, d in
                       zip(p.seg_start, p.cu_seqlens, p.cu_seqlens[1:], p.seg_seq)]).to(device)

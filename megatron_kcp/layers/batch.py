@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_kcp.parallel.plan import capturing, check_cu_seqlens
+from megatron_kcp.plan import capturing, check_cu_seqlens
 
 THD_LAYOUT_ENV = "KCP_THD_LAYOUT"
 # the THD layouts Megatron cuts, and the flag that gives each
@@ -36,7 +36,7 @@ class Batch:
 
     Attributes:
         cu: global cu_seqlens of the stream (a THD pack's documents; an ``[s, b]`` batch's rows).
-        layout: the CP layout this rank's tokens are in (:data:`megatron_kcp.parallel.plan.LAYOUTS`).
+        layout: the CP layout this rank's tokens are in (:data:`megatron_kcp.plan.LAYOUTS`).
         thd: a THD pack (documents), or ``[s, b]`` rows.
         rows: b of an ``[s, b]`` batch (1 for a THD pack).
         source: the layout Megatron cut the batch in (``layout`` differs once the tokens are moved).

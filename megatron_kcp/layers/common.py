@@ -22,7 +22,7 @@ from megatron_kcp.layers import layout as hidden
 from megatron_kcp.layers.batch import Batch
 from megatron_kcp.ops import dispatch
 from megatron_kcp.ops.kcp import conv_backend
-from megatron_kcp.parallel.plan import KCPPlan, plan_for_cp_group
+from megatron_kcp.plan import KCPPlan, plan_for_cp_group
 
 _announced = False
 

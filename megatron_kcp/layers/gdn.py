@@ -16,8 +16,9 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from megatron_kcp.layers.common import announce, packed_plan
 from megatron_kcp.layers.layout import mixer_input
-from megatron_kcp.ops import kcp, reference
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp.ops import kcp
+from megatron_kcp.kernels import reference
+from megatron_kcp.plan import MAX_HEAD_DIM
 
 
 def split_heads(qkv: torch.Tensor, sizes: list[int], head_dims: list[int], qk_l2norm: bool):

@@ -29,7 +29,7 @@ from megatron_kcp.layers.common import announce, packed_plan
 from megatron_kcp.layers.layout import mixer_input
 from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.parallel.cp2hp import check_cp2hp
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM
+from megatron_kcp.plan import MAX_HEAD_DIM
 
 
 @dataclass

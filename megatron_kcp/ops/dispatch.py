@@ -47,12 +47,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import qla_runs
-from megatron_kcp.parallel.convert import ConvertLayout, target_plan
+from megatron_kcp.parallel.relayout_exchange import RelayoutExchange, target_plan
 from megatron_kcp.parallel.cost_model import CONVERT_ENV, choose, convert_pays, core_saving, needs_maps
 from megatron_kcp.parallel.cp2hp import CP2HP
 from megatron_kcp.parallel.fla_cp import FlaCP
 from megatron_kcp.parallel.gather import AllGather
-from megatron_kcp.parallel.plan import KCPPlan, all_plans, capturing
+from megatron_kcp.plan import KCPPlan, all_plans, capturing
 from megatron_kcp.parallel.relay import Relay
 from megatron_kcp.parallel.single import SingleDevice
 from megatron_kcp.parallel.strategy import ExchangeStrategy
@@ -99,7 +99,7 @@ class Dispatch:
     def exchange(self) -> ExchangeStrategy:
         """The strategy object that runs this decision (looked up at each call, so tests may swap one in)."""
         inner = STRATEGIES[self.strategy]
-        return ConvertLayout(inner, self.layout, self.max_segment) if self.layout else inner
+        return RelayoutExchange(inner, self.layout, self.max_segment) if self.layout else inner
 
 
 def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, backend: str = "auto",
@@ -291,12 +291,12 @@ def fla_max_segment(plan: KCPPlan) -> int:
 
 
 def build_core(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor):
-    """The :class:`~megatron_kcp.parallel.core.LocalCore` called ``name``, after its environment check."""
+    """The :class:`~megatron_kcp.kernels.core.LocalCore` called ``name``, after its environment check."""
     if name == "qla":
-        from megatron_kcp.ops import core_qla
+        from megatron_kcp.kernels import core_qla
         return core_qla.core(q.device, q.dtype, g.dim() == 4, (q.shape[-1], v.shape[-1]))
     if name == "fla":
-        from megatron_kcp.ops import core_fla
+        from megatron_kcp.kernels import core_fla
         return core_fla.core(kda=g.dim() == 4, device=q.device)
-    from megatron_kcp.ops.core_reference import ReferenceCore
+    from megatron_kcp.kernels.core_reference import ReferenceCore
     return ReferenceCore()

@@ -1,7 +1,7 @@
 """The KCP ops the mixers call: the gated delta rule (GDN and KDA) and the short conv over CP shards.
 
 Each rank passes its shard of the packed stream (Megatron's CP layout, described by a
-:class:`~megatron_kcp.parallel.plan.KCPPlan`) and gets its shard of the output, equal to the
+:class:`~megatron_kcp.plan.KCPPlan`) and gets its shard of the output, equal to the
 single-device run forward and backward. Which local core and exchange strategy run is
 :func:`megatron_kcp.ops.dispatch.decide`'s.
 """
@@ -11,9 +11,11 @@ import os
 
 import torch
 
-from megatron_kcp.ops import conv_reference, dispatch
+from megatron_kcp.kernels import conv_reference
+
+from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel import halo
-from megatron_kcp.parallel.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, split_segments
+from megatron_kcp.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, split_segments
 
 CONV_BACKENDS = ("auto", "reference", "fla", "gluon", "qla")
 CONV_ENV = "KCP_CONV"          # the conv backend that ``auto`` means (unset: the fastest that runs)
@@ -132,10 +134,10 @@ def causal_conv1ds(xs, weights, biases=None, activation: str | None = "silu", pl
     if group is None and plan.world_size > 1:
         group = cp_group_from_megatron()[0]
     if backend == "gluon":
-        from megatron_kcp.ops import conv_gluon as local
+        from megatron_kcp.kernels import conv_gluon as local
     elif backend == "fla":
         from megatron_kcp.environment import check_fla
-        from megatron_kcp.ops import conv_fla as local
+        from megatron_kcp.kernels import conv_fla as local
         check_fla(xs[0].device)
     else:
         local = conv_reference

@@ -25,13 +25,14 @@ from __future__ import annotations
 import functools
 import os
 
-from megatron_kcp.parallel.plan import KCPPlan, all_plans
+from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.plan import KCPPlan, all_plans
 
 STRATEGIES = ("relay", "gather")
 STATE_PASS = 4e-8          # s per token of a state pass (fla, H200, H = 64)
 STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
 MAP_PASS = 4.4             # a transition-map pass against a state pass over the same tokens
-ALPHA, BW = 60e-6, 332e9   # the link: s per message, bytes / s (NVLink, H200)
+ALPHA, BW = CALIBRATION.link.latency, CALIBRATION.link.bandwidth   # the link: s per message, bytes / s
 # what a sequence cut over ranks costs beyond its chain's state passes, per cut (hop) and step (fwd+bwd):
 # segments too short to fill the kernels' chunks, a state written and read each way. HOP_HEAD, the
 # slope in the heads, is fitted on the per-document zigzag against the contiguous layout at H = 16 and
@@ -60,10 +61,7 @@ HEADS_CONVERT_BW = 140e9
 QLA_SAVES = 4.3e-9
 # the relay's pipeline over head groups
 GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
-# value heads a group needs to fill the GPU (fla); below, a group's pass is hardly shorter, and two
-# groups of 16 heads, and two of 32, lost to one group on one long sequence (benchmarks/reports/, the relay's
-# head groups on fla's core)
-MIN_GROUP_HEADS = 64
+MIN_GROUP_HEADS = CALIBRATION.min_group_heads     # value heads a group needs to fill the GPU (fla)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from megatron_kcp.parallel.comm import AllToAll, all_to_all
-from megatron_kcp.parallel.plan import KCPPlan, all_plans, local_token_index
+from megatron_kcp.plan import KCPPlan, all_plans, local_token_index
 from megatron_kcp.parallel.strategy import ExchangeStrategy
 
 

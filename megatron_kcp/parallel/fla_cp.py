@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from megatron_kcp.parallel.plan import KCPPlan, capturing
+from megatron_kcp.plan import KCPPlan, capturing
 from megatron_kcp.parallel.strategy import ExchangeStrategy
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import all_gather
-from megatron_kcp.parallel.core import zeroed_states
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
+from megatron_kcp.kernels.core import zeroed_states
+from megatron_kcp.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
 

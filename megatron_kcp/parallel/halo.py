@@ -14,7 +14,7 @@ import functools
 import torch
 
 from megatron_kcp.parallel.comm import all_gather, reduce_scatter
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.plan import KCPPlan
 
 
 @functools.lru_cache(maxsize=32)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.parallel.comm import P2P
-from megatron_kcp.parallel.core import head_groups, zeroed_states
+from megatron_kcp.kernels.core import head_groups, zeroed_states
 from megatron_kcp.parallel.cost_model import pipeline_depth
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor, keep_starts
+from megatron_kcp.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.parallel import comm
-from megatron_kcp.parallel.plan import check_cu_seqlens, layout_pieces
+from megatron_kcp.plan import check_cu_seqlens, layout_pieces
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import functools
 
 import torch
 
-from megatron_kcp.parallel.core import Prepared, zeroed_states
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.kernels.core import Prepared, zeroed_states
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 
 class KCPStep(torch.autograd.Function):

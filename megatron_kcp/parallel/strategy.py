@@ -1,7 +1,7 @@
 """The base of the exchange strategies: how one CP step gets across ranks what a rank's shard needs.
 
 A strategy runs the gated delta rule of this rank's shard of the packed stream, given a local core
-(:class:`megatron_kcp.parallel.core.LocalCore`). Two families:
+(:class:`megatron_kcp.kernels.core.LocalCore`). Two families:
 
 * :class:`StateExchange`: the sequence stays sharded and fp32 states (or their affine maps) cross
   ranks; the subclass says in ``forward`` / ``backward`` what moves when, and
@@ -19,8 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from megatron_kcp.parallel.core import LocalCore, Prepared
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.kernels.core import LocalCore, Prepared
+from megatron_kcp.plan import KCPPlan
 from megatron_kcp.parallel.step import KCPStep
 
 

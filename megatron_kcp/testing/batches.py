@@ -93,7 +93,7 @@ def megatron_cut(samples: list[dict], layout: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core import utils
 
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()                       # the TP broadcast sizes its buffers on the current CUDA device
     if layout not in ("zigzag", "zigzag_per_doc"):
         raise ValueError(f"layout {layout!r}: zigzag (--dataloader-inter-document-masking) or zigzag_per_doc (--sft)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_kcp.parallel.plan import build_plan, local_token_index
+from megatron_kcp.plan import build_plan, local_token_index
 
 
 def random_cu_seqlens(gen: torch.Generator, layout: str, W: int, kind: str) -> tuple[int, ...]:

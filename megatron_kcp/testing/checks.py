@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.ops import dispatch, kcp
-from megatron_kcp.ops import reference as R
+from megatron_kcp.kernels import reference as R
 from megatron_kcp.parallel import halo, relayout
 from megatron_kcp.parallel.strategy import StateExchange
 from megatron_kcp.testing.cases import plan_for, shard

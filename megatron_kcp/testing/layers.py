@@ -52,8 +52,8 @@ def config(model: str, shape: Shape, cp: int = 1, tp: int = 1, **kw):
 def build(model: str, cfg, pg, device: str = "cpu", cls=None, **options):
     """The KCP mixer (or ``cls`` with the GDN submodules) with Megatron's local layers, seeded; ``options``
     go to the KDA mixer's constructor."""
-    import megatron_kcp.testing.megatron_cpu
-    megatron_kcp.testing.megatron_cpu.enable()
+    import megatron_kcp.megatron_cpu
+    megatron_kcp.megatron_cpu.enable()
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
     torch.manual_seed(0)
     if device == "cuda":

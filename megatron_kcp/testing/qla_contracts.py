@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_kcp.ops import reference as R
+from megatron_kcp.kernels import reference as R
 
 
 def _run(q, k, v, g, b, scale, h0, cu):
@@ -107,8 +107,8 @@ def kernels() -> SimpleNamespace:
 
 def install() -> None:
     """Make ``backend='qla'`` run the qla core over these contracts in this process."""
-    from megatron_kcp.ops import core_qla
-    from megatron_kcp.ops.core_qla import GDNQLACore
+    from megatron_kcp.kernels import core_qla
+    from megatron_kcp.kernels.core_qla import GDNQLACore
     core_qla._kernels = kernels
     core_qla._cu.cache_clear()
     core_qla.core = lambda *args: GDNQLACore()

@@ -233,7 +233,7 @@ def _megatron_lm_load(megatron_dir, extra):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_kcp import train
-    from megatron_kcp.testing import megatron_cpu
+    from megatron_kcp import megatron_cpu
     megatron_cpu.enable()
     with open(os.path.join(megatron_dir, "megatron_args.txt")) as f:
         flags = shlex.split(f.read())

@@ -56,8 +56,8 @@ def _reference(q, k, v, dout):
 
 def _cp1_matches_megatron():
     """(CP = 1) the same function as Megatron's local DotProductAttention, GQA included; THD packs per document."""
-    import megatron_kcp.testing.megatron_cpu
-    megatron_kcp.testing.megatron_cpu.enable()          # DotProductAttention's score buffer is on the GPU
+    import megatron_kcp.megatron_cpu
+    megatron_kcp.megatron_cpu.enable()          # DotProductAttention's score buffer is on the GPU
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     cfg = _config()

@@ -62,7 +62,7 @@ def _same_as_megatron_gdn():
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from megatron_kcp.ops.reference import l2norm
+    from megatron_kcp.kernels.reference import l2norm
     common.l2norm = l2norm
     pg = ProcessGroupCollection.use_mpu_process_groups()
     theirs = build("gdn", config("gdn", CPU, deterministic_mode=True), pg, cls=GatedDeltaNet)

@@ -32,9 +32,9 @@ def block(model: str, cp: int, pg, shape=CPU):
     """Megatron's TransformerBlock of the hybrid spec: layers 1-3 linear, layer 4 softmax attention."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    import megatron_kcp.testing.megatron_cpu
+    import megatron_kcp.megatron_cpu
     from megatron_kcp import spec
-    megatron_kcp.testing.megatron_cpu.enable()
+    megatron_kcp.megatron_cpu.enable()
     cfg = config(model, shape, cp, num_layers=4, linear_attention_freq=4, kv_channels=16, hidden_dropout=0.0,
                  attention_dropout=0.0)
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def _compare(model, what, n_docs, expect_fail=False, shape=CPU, layout="zigzag_p
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from megatron_kcp.plan import build_plan, local_token_index
     cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     per_doc = layout == "zigzag_per_doc"
     cu = docs_cu(n_docs, cp, seed=n_docs) if per_doc else raw_docs_cu(n_docs, cp, seed=n_docs)
@@ -288,7 +288,7 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     from megatron_kcp.layers.layout import run_traffic
     from megatron_kcp.ops import dispatch
     from megatron_kcp.parallel.cost_model import convert_pays
-    from megatron_kcp.parallel.plan import all_plans
+    from megatron_kcp.plan import all_plans
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
@@ -406,7 +406,7 @@ def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
     from benchmarks.common import cu_seqlens
     from megatron_kcp.ops import dispatch
     from megatron_kcp.parallel.cost_model import convert_pays
-    from megatron_kcp.parallel.plan import all_plans
+    from megatron_kcp.plan import all_plans
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)

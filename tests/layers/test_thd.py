@@ -15,7 +15,7 @@ def _thd(model):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_kcp.parallel.plan import build_plan, local_token_index
+    from megatron_kcp.plan import build_plan, local_token_index
     cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     lens = [8, 36, 20]                                      # multiples of 2*CP, as Megatron pads them
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.ops import kcp
-from megatron_kcp.parallel.plan import LAYOUTS
+from megatron_kcp.plan import LAYOUTS
 from megatron_kcp.testing.cases import (long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens,
                                         random_inputs, shard)
 from megatron_kcp.testing.checks import (STRATEGIES, TOL, compare_with_oracle, conv_errors, cp_group,
@@ -130,7 +130,7 @@ def _split_cases(layouts, backend="reference"):
         kcp.gated_delta_rule(*loc, plan, group, backend=backend, strategy="relay", max_segment=24)
     with pytest.raises(ValueError, match="max_segment must be >= 0"):
         kcp.gated_delta_rule(*loc, plan, group, backend=backend, max_segment=-1)
-    from megatron_kcp.parallel.plan import split_segments
+    from megatron_kcp.plan import split_segments
     x = torch.zeros(1, plan.num_local_tokens, 3)
     with pytest.raises(ValueError, match="not one split by max_segment"):
         kcp.causal_conv1d(x, torch.zeros(3, 4), plan=split_segments(plan, 24), group=group, backend="reference")

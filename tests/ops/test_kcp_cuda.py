@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_kcp.environment import check_gluon_conv, check_qla
 from megatron_kcp.ops import dispatch, kcp
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan
+from megatron_kcp.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
 from megatron_kcp.testing.checks import STRATEGIES, exchange_off
@@ -300,7 +300,7 @@ def test_scattered_segments_match_whole_stream(kda, monkeypatch):
     sequence-grid kernels given the set last to first: core_fla.Selection) write exactly what the pass
     over every segment writes for them: two complementary sets fill the same buffers bit for bit.
     What runs after them on those buffers is compared with a rounding margin (atomics may reorder)."""
-    from megatron_kcp.ops import core_fla
+    from megatron_kcp.kernels import core_fla
     # every final state taken: on one rank no segment has a successor, and the pass would not write them
     monkeypatch.setattr(core_fla, "_taken", lambda *args, **kwargs: True)
     gen = torch.Generator().manual_seed(3)

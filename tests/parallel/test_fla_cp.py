@@ -9,7 +9,7 @@ import torch
 from benchmarks.common import cu_seqlens
 from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.fla_cp import FlaCP
-from megatron_kcp.parallel.plan import all_plans
+from megatron_kcp.plan import all_plans
 
 CUDA = torch.device("cuda")          # only decided on: nothing runs
 
@@ -85,7 +85,7 @@ def test_fla_cp_hands_fla_the_plans_stream_and_the_ops_arguments(monkeypatch):
     import fla.ops.cp
     import fla.ops.kda
 
-    from megatron_kcp.ops.core_fla import KDACore
+    from megatron_kcp.kernels.core_fla import KDACore
     from megatron_kcp.parallel import fla_cp
     built, calls = [], []
 

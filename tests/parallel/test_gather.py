@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from fla.ops.cp.chunk_merge import chunk_cp_fwd_bwd_kernel_merge
     from megatron_kcp.parallel import gather
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
 
     # one config: the interpreter has no benchmarker for the autotuner
     tuner = chunk_cp_fwd_bwd_kernel_merge.fn
@@ -67,7 +67,7 @@ def test_fold_on_the_gpu_equals_the_fp64_fold(HV):
     import torch
 
     from megatron_kcp.parallel import gather
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     torch.manual_seed(0)
     W, K = 8, 128
     for r in (0, 3, 7):
@@ -96,7 +96,7 @@ def test_fold_of_one_source_chains_takes_the_sources_state():
     import torch
 
     from megatron_kcp.parallel import gather
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     from megatron_kcp.testing.cases import docs_cu
     torch.manual_seed(0)
     seen = 0

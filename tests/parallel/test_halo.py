@@ -5,7 +5,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_kcp.ops import conv_reference, kcp
+from megatron_kcp.kernels import conv_reference
+
+from megatron_kcp.ops import kcp
 from megatron_kcp.parallel import halo
 from megatron_kcp.testing.cases import plan_for, random_cu_seqlens, shard
 from megatron_kcp.testing.checks import cp_group

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kcp.parallel.plan import build_plan, check_cu_seqlens, local_token_index, plan_for_cp_group
+from megatron_kcp.plan import build_plan, check_cu_seqlens, local_token_index, plan_for_cp_group
 
 
 @pytest.mark.parametrize("layout,pieces", [
@@ -171,7 +171,7 @@ def test_cu_seqlens_on_the_gpu_refused_under_graph_capture():
     read on the host) are refused while capturing, with the fix; host values, which the caller keeps
     fixed, are not."""
     from unittest import mock
-    with mock.patch("megatron_kcp.parallel.plan.capturing", return_value=True):
+    with mock.patch("megatron_kcp.plan.capturing", return_value=True):
         with pytest.raises(ValueError, match="CUDA graph is captured.*never change"):
             check_cu_seqlens(torch.tensor([0, 4, 8], device="meta"))
         assert check_cu_seqlens(torch.tensor([0, 4, 8])) == (0, 4, 8)

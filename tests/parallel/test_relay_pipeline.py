@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp.ops import kcp
-from megatron_kcp.ops.core_reference import ReferenceCore
+from megatron_kcp.kernels.core_reference import ReferenceCore
 from megatron_kcp.parallel import cost_model, relay
-from megatron_kcp.parallel.plan import LAYOUTS, all_plans, build_plan
+from megatron_kcp.plan import LAYOUTS, all_plans, build_plan
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, \
     random_inputs, shard
 from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
@@ -219,8 +219,8 @@ def test_flash_qla_core_keeps_one_group_unless_forced(monkeypatch):
     """flash-qla's passes are latency-bound scans (a group's pass takes about as long as all heads'):
     its core says so, and the cost model keeps G = 1 where it would split fla's; KCP_RELAY_GROUPS
     still forces groups (the GPU tests run them)."""
-    from megatron_kcp.ops.core_fla import GDNCore
-    from megatron_kcp.ops.core_qla import GDNQLACore
+    from megatron_kcp.kernels.core_fla import GDNCore
+    from megatron_kcp.kernels.core_qla import GDNQLACore
     monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
     plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
     assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNCore.min_group_heads) > 1

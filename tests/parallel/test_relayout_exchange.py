@@ -58,7 +58,7 @@ def test_convert_matches_single_process_1_to_300_documents(world_size):
 def test_decision_follows_kcp_convert_within_a_process(monkeypatch):
     """The cached decision is keyed by the override: toggling KCP_CONVERT takes effect at once."""
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     plan = build_plan(docs_cu(100, 2), "zigzag_per_doc", 2, 0)
     q, v = torch.zeros(1, plan.num_local_tokens, 2, 8), torch.zeros(1, plan.num_local_tokens, 2, 8)
     g = torch.zeros(1, plan.num_local_tokens, 2)
@@ -70,7 +70,7 @@ def test_decision_follows_kcp_convert_within_a_process(monkeypatch):
 def _to_heads(kda_cases):
     from megatron_kcp.ops import dispatch
     from megatron_kcp.parallel import cp2hp
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     group = cp_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
     cu = docs_cu(100, W)
@@ -105,7 +105,7 @@ def test_head_shards_only_where_nothing_rules_them_out(monkeypatch):
     """Heads that do not divide W, a named backend, ``KCP_CONVERT=1`` or ``KCP_STRATEGY`` keep the
     contiguous layout; one document (nothing to convert) stays."""
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.plan import build_plan
+    from megatron_kcp.plan import build_plan
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
 

@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.plan import KCPPlan
 
 
 @functools.lru_cache(maxsize=32)

@@ -11,9 +11,9 @@ import itertools
 import pytest
 import torch
 
-from megatron_kcp.ops import core_fla
-from megatron_kcp.parallel.core import Prepared
-from megatron_kcp.parallel.plan import build_plan
+from megatron_kcp.kernels import core_fla
+from megatron_kcp.kernels.core import Prepared
+from megatron_kcp.plan import build_plan
 
 CU = (0, 100, 164, 165, 300, 301, 500, 620, 640, 900)
 

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 
 class _HaloToState(torch.autograd.Function):

@@ -22,7 +22,7 @@ SCRIPT = r"""
 import itertools
 import torch, triton
 import torch.nn.functional as F
-from megatron_kcp.ops.conv_gluon import FIX_BD, _halo_fix_kernel
+from megatron_kcp.kernels.conv_gluon import FIX_BD, _halo_fix_kernel
 
 
 def conv(xs, w, b, act, halos):

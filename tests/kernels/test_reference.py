@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_kcp.ops import kcp
-from megatron_kcp.ops import reference as R
-from megatron_kcp.parallel.plan import build_plan
+from megatron_kcp.kernels import reference as R
+from megatron_kcp.plan import build_plan
 from megatron_kcp.testing.distributed import rel_err
 from megatron_kcp.testing.cases import random_inputs
 

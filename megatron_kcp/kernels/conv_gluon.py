@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_kcp.ops.conv_fla import halo_segments, halo_state
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.kernels.conv_fla import halo_segments, halo_state
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 BT, BD, BC = 64, 32, 16          # fla's Gluon backward: chunk, channel block, rows a thread unrolls
 FIX_BD = 128                     # channels a program of the halo fix takes

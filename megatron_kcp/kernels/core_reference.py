@@ -1,6 +1,6 @@
 """The local core of a KCP step in pure PyTorch: the CPU path, and the oracle of the CUDA cores.
 
-Implements :class:`megatron_kcp.parallel.core.LocalCore` over the fp64 chunked reference
+Implements :class:`megatron_kcp.kernels.core.LocalCore` over the fp64 chunked reference
 (``reference.py``): each state pass computes its segments' outputs too (kept in ``States.o``), and
 each state-gradient pass is autograd through the same reference, filling ``Backward.grads``. A
 pass on a group of value heads runs the reference on those heads and their q/k heads: heads are
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kcp.ops import reference as R
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of
-from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
-from megatron_kcp.parallel.plan import KCPPlan
+from megatron_kcp.kernels import reference as R
+from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of
+from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.plan import KCPPlan
 
 
 def _gather(plan: KCPPlan, segs, *xs):
@@ -32,7 +32,7 @@ def _on_heads(xs, heads: slice | None, HV: int, dim: int = 2):
 class ReferenceCore:
     fused = False                # output and backward_rest return what the passes computed
     head_slices = True
-    min_group_heads = MIN_GROUP_HEADS
+    min_group_heads = CALIBRATION.min_group_heads
     state_reads = "all"          # every state row of a range is read
 
     def prepare(self, q, k, v, g, beta, plan, scale, use_qk_l2norm, live=None) -> Prepared:

@@ -1,6 +1,6 @@
 """The local core of a KCP step for GDN on flash-qla's fused TileLang kernels (Hopper, Blackwell).
 
-Implements :class:`megatron_kcp.parallel.core.LocalCore`. flash-qla fuses what fla runs as separate
+Implements :class:`megatron_kcp.kernels.core.LocalCore`. flash-qla fuses what fla runs as separate
 kernels: the state pass with the output (``fused_gdr_fwd``) and the state-gradient pass with the
 rest of the backward (``fused_gdr_bwd``). Its stand-alone passes (``fused_gdr_h``: final states,
 or chunk states; ``fused_gdr_dh``: initial-state gradients) give what the exchange must send early.
@@ -31,8 +31,8 @@ import importlib
 import torch
 
 from megatron_kcp.environment import check_qla
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, may_be_nonzero
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of, may_be_nonzero
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 
 @functools.lru_cache(maxsize=None)

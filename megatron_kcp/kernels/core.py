@@ -44,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_kcp import environment
 from megatron_kcp.ops import dispatch
-from megatron_kcp.parallel.plan import LAYOUTS, build_plan, split_segments
+from megatron_kcp.plan import LAYOUTS, build_plan, split_segments
 from megatron_kcp.testing.distributed import spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs
 from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
@@ -173,7 +173,9 @@ def _zero_states_passed_as_none():
     gradients to the backward's only where one leaves (rank 0); the rest is None."""
     from unittest import mock
 
-    from megatron_kcp.ops import core_qla, kcp
+    from megatron_kcp.kernels import core_qla
+
+    from megatron_kcp.ops import kcp
     from megatron_kcp.testing import qla_contracts
     from megatron_kcp.testing.cases import docs_cu, plan_for, shard
     qla_contracts.install()
@@ -205,7 +207,7 @@ def _head_shards_call_flash_qla():
     head shards; forward and every gradient equal the oracle."""
     from unittest import mock
 
-    from megatron_kcp.ops import core_qla
+    from megatron_kcp.kernels import core_qla
     from megatron_kcp.testing import qla_contracts
     from megatron_kcp.testing.cases import docs_cu
     qla_contracts.install()
@@ -238,7 +240,7 @@ def _start_passes():
     from unittest import mock
 
     from megatron_kcp.ops import kcp
-    from megatron_kcp.ops.core_qla import GDNQLACore
+    from megatron_kcp.kernels.core_qla import GDNQLACore
     from megatron_kcp.parallel.gather import AllGather
     from megatron_kcp.testing import qla_contracts
     from megatron_kcp.testing.cases import plan_for, shard

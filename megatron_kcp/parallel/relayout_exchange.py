@@ -11,7 +11,7 @@ hands it the per-document layout.
 """
 from __future__ import annotations
 
-from megatron_kcp.parallel.plan import KCPPlan, all_plans
+from megatron_kcp.plan import KCPPlan, all_plans
 from megatron_kcp.parallel.relayout import relayout
 from megatron_kcp.parallel.strategy import ExchangeStrategy
 
@@ -21,7 +21,7 @@ def target_plan(plan: KCPPlan, layout: str, max_segment: int = 0) -> KCPPlan:
     return all_plans(plan.global_cu_seqlens, layout, plan.world_size, plan.conv_kernel_size, max_segment)[plan.rank]
 
 
-class ConvertLayout(ExchangeStrategy):
+class RelayoutExchange(ExchangeStrategy):
     """``inner`` run in ``layout`` (its segments split by ``max_segment``), the stream moved there and back."""
     name = "convert"
 

@@ -1,6 +1,6 @@
 """The local core of a KCP step on CUDA, composed from fla-core's single-device chunk kernels.
 
-Implements :class:`megatron_kcp.parallel.core.LocalCore` with the steps fla's
+Implements :class:`megatron_kcp.kernels.core.LocalCore` with the steps fla's
 ``chunk_gated_delta_rule`` / ``chunk_kda`` run, taken apart where the exchange strategies need them:
 ``prepare`` (l2norm, gate cumsum, the WY form: everything that needs no state) over the whole local
 stream once; the state pass on any set of segments (one launch of fla's kernel for a scattered set,
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import check_fla
-from megatron_kcp.parallel.core import Backward, Prepared, States, heads_of, may_be_nonzero, state_rows
-from megatron_kcp.parallel.cost_model import MIN_GROUP_HEADS
-from megatron_kcp.parallel.plan import KCPPlan, index_tensor
+from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of, may_be_nonzero, state_rows
+from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.plan import KCPPlan, index_tensor
 
 CHUNK = 64
 
@@ -202,7 +202,7 @@ class _FLACore:
     """What GDN and KDA share; the subclasses hold the model's own kernels."""
     fused = False           # the passes fill buffers that ``output`` and ``backward_rest`` read
     head_slices = True      # a pass on a head group copies its heads' part (see the module docstring)
-    min_group_heads = MIN_GROUP_HEADS
+    min_group_heads = CALIBRATION.min_group_heads
     state_reads = "rows"    # passes read the rows of state_rows only; backward_prepare reads h0 where _h0 hands it
 
     def _range_inputs(self, P: Prepared, lo, hi, *xs):

@@ -1,15 +1,15 @@
 """The state rows a step zeroes (``LocalCore.state_reads``): every row for a core that reads every row,
-only the rows a pass reads (:func:`megatron_kcp.parallel.core.state_rows`) for fla's, none of a tensor
+only the rows a pass reads (:func:`megatron_kcp.kernels.core.state_rows`) for fla's, none of a tensor
 where no row can be nonzero for flash-qla's. Whether the cores read no other row: the poisoned CP
-suites (``tests/ops/test_core_qla.py`` on the CPU, ``tests/ops/test_kcp_cuda.py::
+suites (``tests/kernels/test_core_qla.py`` on the CPU, ``tests/ops/test_kcp_cuda.py::
 test_cp_reads_no_unzeroed_state_rows`` on the GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_kcp.parallel.core import Prepared, may_be_nonzero, state_rows, zeroed_states
-from megatron_kcp.parallel.plan import build_plan
+from megatron_kcp.kernels.core import Prepared, may_be_nonzero, state_rows, zeroed_states
+from megatron_kcp.plan import build_plan
 from megatron_kcp.testing.cases import docs_cu
 
 
