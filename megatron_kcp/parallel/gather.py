@@ -143,7 +143,6 @@ def fold_reference(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
 
 class AllGather(StateExchange):
     name = "gather"
-    starts_through_maps = True      # False: every sequence start its own state pass (a benchmark's peer)
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
@@ -182,7 +181,7 @@ class AllGather(StateExchange):
         zero initial state (H is then the final state; the fold never reads a start's M). flash-qla's
         pass is one scan a part and head, so the rank holding a sequence's first part then runs no
         more passes before the forward's all-gather than the ranks that hold its middle."""
-        if not (self.starts_through_maps and core.fused and middle and P.live is not None):
+        if not (core.fused and middle and P.live is not None):
             return []
         return [s for s in done if s not in P.live]
 

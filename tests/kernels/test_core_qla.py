@@ -239,11 +239,15 @@ def _start_passes():
     through the maps pass and without; the results must agree."""
     from unittest import mock
 
-    from megatron_kcp.ops import kcp
+    from megatron_kcp.ops import dispatch, kcp
     from megatron_kcp.kernels.core_qla import GDNQLACore
     from megatron_kcp.parallel.gather import AllGather
     from megatron_kcp.testing import qla_contracts
     from megatron_kcp.testing.cases import plan_for, shard
+
+    class OwnStarts(AllGather):                 # every sequence start its own state pass
+        def _through_maps(self, core, P, done, middle):
+            return []
     qla_contracts.install()
     group = cp_group()
     cu = (0, 512)
@@ -251,7 +255,8 @@ def _start_passes():
     plan = plan_for(cu, "contiguous", 2, dist.get_rank(group))
     runs = {}
     for ride in (True, False):
-        with mock.patch.object(AllGather, "starts_through_maps", ride), \
+        swap = {} if ride else {"gather": OwnStarts()}
+        with mock.patch.dict(dispatch.STRATEGIES, swap), \
                 mock.patch.object(GDNQLACore, "state", autospec=True, side_effect=GDNQLACore.state) as spy:
             o = kcp.gated_delta_rule(*shard(plan, *xs), plan, group, use_qk_l2norm=True, backend="qla",
                                      strategy="gather", max_segment=64)
@@ -264,5 +269,5 @@ def _start_passes():
 
 def test_sequence_start_rides_the_maps_pass():
     """On the fused core a sequence start from a zero state exports through the maps pass that its
-    rank runs anyway: no state pass of its own (``AllGather.starts_through_maps``), the same output."""
+    rank runs anyway: no state pass of its own (``AllGather._through_maps``), the same output."""
     spawn(_start_passes, 2)
