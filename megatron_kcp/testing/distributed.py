@@ -6,6 +6,9 @@ on every rank and re-raises the first failure. Backends: NCCL with one GPU per r
 enough GPUs; otherwise gloo, with ranks sharing the GPUs round-robin when there are any (so the
 CP=4 GPU tests run on one or two GPUs: gloo moves CUDA tensors through host memory, which changes
 the transport, not the numbers), or on the CPU.
+On the CPU the ranks fork from one server process that has imported torch, megatron-core and fla once
+(multiprocessing's forkserver): each rank is still a fresh process with the caller's environment, without
+seconds of imports per rank. With CUDA they start by ``spawn`` (CUDA does not survive a fork).
 ``KCP_RANK_TIMEOUT=S`` makes a rank that is still running after S seconds print its stacks and exit.
 """
 from __future__ import annotations
@@ -45,7 +48,21 @@ def init_process(rank: int, world_size: int, port: int, device_type: str | None 
     return device
 
 
-def _worker(rank, world_size, port, tp, pp, fn, args, errors):
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "fla"]
+
+
+def _start_method() -> str:
+    if torch.cuda.is_available():
+        return "spawn"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return "forkserver"
+
+
+def _worker(rank, world_size, port, tp, pp, fn, args, errors, env=None):
+    if env is not None:             # a forked rank has the server's environment: take the caller's
+        os.environ.clear()
+        os.environ.update(env)
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
     if os.environ.get("KCP_FAST_AUTOTUNE"):
@@ -82,11 +99,11 @@ def gloo_accepts_stacked_all_gather():
 
 
 def spawn(fn, world_size: int, *args, tp: int = 1, pp: int = 1):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    method = _start_method()
+    errors = mp.get_context(method).SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors),
-                           nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors, dict(os.environ)),
+                           nprocs=world_size, join=True, start_method=method)
     except mp.ProcessRaisedException:
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
 
