@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kcp.environment import check_fla
+from megatron_kcp.kernels import registry
 from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of, may_be_nonzero, state_rows
 from megatron_kcp.calibration import CALIBRATION
 from megatron_kcp.plan import KCPPlan, index_tensor
@@ -446,3 +447,30 @@ def fla_chunk(q, k, v, g, beta, **kwargs) -> torch.Tensor:
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
     return fn(q, k, v, g.float(), beta, output_final_state=False, **kwargs)[0]
+
+
+def fla_max_segment(plan: KCPPlan) -> int:
+    """The part length that halves the zigzag middle rank's segment of one sequence under the all-gather on
+    fla's kernels; 0 elsewhere. In both zigzag layouts rank W - 1 holds chunks W - 1 and W, neighbours in
+    the stream, as one segment twice as long as any other rank's. fla's state passes run a program per
+    segment, head and value block along its chunks, so that rank's maps pass (M beside H), state pass
+    and state-gradient pass take twice as long as the others', whose two segments run side by side,
+    and every rank waits for it at the all-gathers. Cut at the chunk length, its segment runs as two
+    parts side by side, which the fold chains (one step more); every other segment stays whole. From
+    W = 3, where the other middle ranks export two states each way, the exchange keeps its slots; at
+    W = 2 the middle rank would export two states where it exports one, doubling the all-gather: no cut.
+    Parts of at least ``CALIBRATION.fla_split_min_part`` tokens: shorter ones leave a rank's step bound by
+    its launches, where the cut's extra part costs more than its passes save. One sequence only, as
+    measured (benchmarks/reports/): with packed documents a rank's passes run many segments side by side,
+    and the longest is no longer the rank's time."""
+    cu, W = plan.global_cu_seqlens, plan.world_size
+    if plan.layout == "contiguous" or W < 3 or len(cu) != 2:
+        return 0
+    part = cu[-1] // (2 * W)
+    return part if part >= CALIBRATION.fla_split_min_part else 0
+
+
+registry.register(registry.CoreEntry(
+    name="fla", label="fla", runs_on="CUDA with fla-core installed (GDN and KDA)", runs=lambda p: p.cuda,
+    build=lambda device, dtype, kda, head_dims: core(kda=kda, device=device), priority=20,
+    min_group_heads=_FLACore.min_group_heads, maps_cut=lambda p: fla_max_segment(p.plan)))

@@ -12,7 +12,7 @@ keeps its states in fp32 (flash-qla's own top-level call, ``auto_cp``, exchanges
 step does not use it; ``single_device``, the call on a whole stream of head shards, is that call).
 ``maps`` runs one state pass from zero states in the kernel's CP mode, which computes the transition
 M beside the final state H in the same scan (:func:`_maps_pass`); the backward's ``M^T`` is the
-forward's. That is what a plan with ``max_segment`` needs at few heads (``dispatch.qla_max_segment``).
+forward's. That is what a plan with ``max_segment`` needs at few heads (:func:`qla_max_segment`).
 
 A pass runs once over the range from the first to the last segment that needs it (every segment
 in between computed and dropped): one launch, never a gather of tokens. On contiguous and zigzag
@@ -30,9 +30,12 @@ import importlib
 
 import torch
 
+from megatron_kcp import environment
+from megatron_kcp.calibration import CALIBRATION
 from megatron_kcp.environment import check_qla
+from megatron_kcp.kernels import registry
 from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of, may_be_nonzero
-from megatron_kcp.plan import KCPPlan, index_tensor
+from megatron_kcp.plan import KCPPlan, all_plans, index_tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,3 +278,60 @@ def core(device: torch.device, dtype: torch.dtype, kda: bool, head_dims: tuple[i
     """flash-qla's GDN core, after the environment check for this problem."""
     check_qla(device, dtype, kda, head_dims)
     return GDNQLACore()
+
+
+def qla_worth(plan: KCPPlan, value_heads: int) -> bool:
+    """Whether flash-qla's fused kernels beat fla's on this plan. qla runs a segment's state pass and
+    its output as one scan per head, so a rank's time is at least its longest segment's scan: with
+    few heads and one long segment a rank it is latency-bound (heads x chains below
+    ``CALIBRATION.qla_min_chains``). On per-document zigzag its state passes cover the whole range between
+    the segments that need them, which loses with many documents (``qla_max_interleaved``)."""
+    return _qla_worth(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_worth(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> bool:
+    plans = all_plans(cu_seqlens, layout, world_size)
+    chains = min(p.num_local_tokens / max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    if value_heads * chains < CALIBRATION.qla_min_chains:
+        return False
+    return layout != "zigzag_per_doc" or max(p.num_segments for p in plans) <= CALIBRATION.qla_max_interleaved
+
+
+def qla_max_segment(plan: KCPPlan, value_heads: int) -> int:
+    """Where flash-qla's scans are latency-bound enough that the split's extra passes pay (heads x
+    chains below ``qla_split_below``: one or two long segments a rank, even at 64 heads), the part
+    length (a multiple of the 64-token chunk) that splits the busiest rank's stream into
+    ``qla_split_chains`` scans; 0 where no split is needed or none pays (a step too small to be
+    anything but host-bound, or no segment longer than that part or ``qla_split_min_part``). Parts are at
+    least ``qla_split_min_part`` long, or a ``qla_split_max_parts``-th of the sequence where that is
+    shorter: every part's state travels in the all-gather to every rank and steps its fold, so
+    shorter parts paid on the GPU runs where the sequence held 16 of them (W = 2 and 4) and lost
+    where it held 64 (W = 8, predicted; benchmarks/reports/). On one long sequence, flash-qla's own
+    intra-GPU split (``autocp.decide``, its fitted kernel-time model) picks parts of the same order.
+    The constants: :class:`megatron_kcp.calibration.Calibration`."""
+    return _qla_max_segment(plan.global_cu_seqlens, plan.layout, plan.world_size, value_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _qla_max_segment(cu_seqlens: tuple[int, ...], layout: str, world_size: int, value_heads: int) -> int:
+    C = CALIBRATION
+    plans = all_plans(cu_seqlens, layout, world_size)
+    longest = max(max(b - a for a, b in zip(p.cu_seqlens, p.cu_seqlens[1:])) for p in plans)
+    chains = min(p.num_local_tokens for p in plans) / longest
+    tokens = max(p.num_local_tokens for p in plans)
+    if value_heads * chains >= C.qla_split_below or tokens * value_heads < C.qla_split_min_work or \
+            layout == "zigzag_per_doc" and max(p.num_segments for p in plans) > C.qla_max_interleaved:
+        return 0
+    part = -(-tokens * value_heads // (C.qla_split_chains * 64)) * 64
+    if max(part, C.qla_split_min_part) >= longest:
+        return 0
+    return max(part, min(C.qla_split_min_part, -(-cu_seqlens[-1] // (C.qla_split_max_parts * 64)) * 64))
+
+
+registry.register(registry.CoreEntry(
+    name="qla", label="flash-qla", runs_on="GDN on Hopper and Blackwell with flash-qla installed (K = V = 128)",
+    runs=lambda p: p.cuda and environment.qla_runs(p.device, p.dtype, p.kda, p.head_dims),
+    build=lambda device, dtype, kda, head_dims: core(device, dtype, kda, head_dims), priority=30,
+    min_group_heads=GDNQLACore.min_group_heads, worth=lambda p: qla_worth(p.plan, p.value_heads),
+    gather_maps=False, split=lambda p: qla_max_segment(p.plan, p.value_heads), saves=CALIBRATION.qla_saves))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_kcp.kernels import reference as R
+from megatron_kcp.kernels import registry
 from megatron_kcp.kernels.core import Backward, Prepared, States, heads_of
 from megatron_kcp.calibration import CALIBRATION
 from megatron_kcp.plan import KCPPlan
@@ -101,3 +102,9 @@ class ReferenceCore:
                       cu_seqlens_cpu):
         return R.chunk_gated_delta_rule_fp64(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                              use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens_cpu)[0]
+
+
+registry.register(registry.CoreEntry(
+    name="reference", label="reference (PyTorch)", runs_on="any device (PyTorch; the CPU path and the oracle)",
+    runs=lambda p: True, build=lambda device, dtype, kda, head_dims: ReferenceCore(), priority=10,
+    min_group_heads=ReferenceCore.min_group_heads))

@@ -19,13 +19,12 @@ them: a guess would train on wrong numbers without an error.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 
+from megatron_kcp.options import THD_LAYOUT_ENV, Options
 from megatron_kcp.plan import capturing, check_cu_seqlens
 
-THD_LAYOUT_ENV = "KCP_THD_LAYOUT"
 # the THD layouts Megatron cuts, and the flag that gives each
 ROUTES = {"zigzag_per_doc": "--sft", "zigzag": "--dataloader-inter-document-masking"}
 
@@ -112,7 +111,7 @@ def thd_layout(packed_seq_params, cp: int) -> str:
             getattr(packed_seq_params, "cp_group", None) is not None:
         raise ValueError("a THD pack with its own CP group (--hybrid-context-parallel): the KCP mixers run on "
                          "Megatron's fixed CP group; drop --hybrid-context-parallel")
-    declared = os.environ.get(THD_LAYOUT_ENV) or None
+    declared = Options.from_env().thd_layout or None
     if declared is not None and declared not in ROUTES:
         raise ValueError(f"{THD_LAYOUT_ENV}={declared!r}: use one of {', '.join(ROUTES)} (or unset it)")
     route = megatron_route()

@@ -16,7 +16,7 @@ all-to-all (:mod:`megatron_kcp.parallel.relayout`) where that pays:
   layers expect; activation recompute re-runs the all-to-alls with the layer;
 * a linear mixer outside such a layer converts its own input and output.
 
-Whether to convert is :func:`megatron_kcp.parallel.cost_model.convert_pays`'s, from what all ranks
+Whether to convert is :func:`megatron_kcp.parallel.cost_model.relayout_pays`'s, from what all ranks
 share (cu_seqlens, CP size, heads, head dims, d_model, dtype, the run's length): the all-to-alls
 against the exchange they save. Under sequence parallelism the all-to-all runs over the
 tensor-and-context-parallel group (a row may move to another TP rank's share); without it over the
@@ -25,13 +25,13 @@ CP group. A ``[s, b]`` batch with b > 1 (rows, not packed documents) is not conv
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from megatron_kcp.layers.batch import Batch, batch_of
 from megatron_kcp.layers.pattern import linear_pattern
-from megatron_kcp.parallel.cost_model import CONVERT_ENV, convert_pays
+from megatron_kcp.options import Options
+from megatron_kcp.parallel.cost_model import relayout_pays
 from megatron_kcp.parallel.relayout import check_tp_cp_group, relayout
 
 TARGET = "contiguous"
@@ -48,8 +48,8 @@ def run_traffic(hidden_bytes_per_token: float, run_length: int) -> tuple[float, 
 
 
 @functools.lru_cache(maxsize=256)
-def _converts(cu, source, cp, heads, head_dim, bytes_per_token, messages, forced) -> bool:
-    return convert_pays(cu, source, cp, heads, head_dim, bytes_per_token, messages)
+def _converts(cu, source, cp, heads, head_dim, bytes_per_token, messages, options: Options) -> bool:
+    return relayout_pays(cu, source, cp, heads, head_dim, bytes_per_token, messages, options=options)
 
 
 def converts(config, batch: Batch, cp: int, tp: int, run_length: int) -> bool:
@@ -60,7 +60,7 @@ def converts(config, batch: Batch, cp: int, tp: int, run_length: int) -> bool:
     heads = config.linear_num_value_heads // tp
     return _converts(batch.cu, batch.source, cp, heads, config.linear_value_head_dim,
                      *run_traffic(hidden_bytes(config), run_length),
-                     os.environ.get(CONVERT_ENV))      # the override is part of the key
+                     Options.from_env())      # the overrides are part of the key
 
 
 def conversion_group(pg_collection, sequence_parallel: bool):

@@ -7,18 +7,16 @@ single-device run forward and backward. Which local core and exchange strategy r
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megatron_kcp.kernels import conv_reference
 
 from megatron_kcp.ops import dispatch
+from megatron_kcp.options import CONV_ENV, Options
 from megatron_kcp.parallel import halo
 from megatron_kcp.plan import MAX_HEAD_DIM, KCPPlan, cp_group_from_megatron, split_segments
 
 CONV_BACKENDS = ("auto", "reference", "fla", "gluon", "qla")
-CONV_ENV = "KCP_CONV"          # the conv backend that ``auto`` means (unset: the fastest that runs)
 
 
 def check_inputs(q, k, v, g, beta, plan: KCPPlan, initial_state=None) -> None:
@@ -159,7 +157,7 @@ def conv_backend(device: torch.device, dtype: torch.dtype, kernel_size: int, bac
     if backend not in CONV_BACKENDS:
         raise ValueError(f"unknown conv backend {backend!r}: choose one of {CONV_BACKENDS}")
     if backend == "auto":
-        backend = os.environ.get(CONV_ENV) or "auto"
+        backend = Options.from_env().conv or "auto"
         if backend not in CONV_BACKENDS:
             raise ValueError(f"{CONV_ENV}={backend!r} is not a conv backend: set one of {CONV_BACKENDS} or unset it")
     from megatron_kcp.environment import check_gluon_conv, gluon_conv_runs

@@ -1,67 +1,51 @@
-"""Which state exchange a plan uses: relay (latency: state passes one rank after another) or all-gather
-(work: the transition maps), and whether to move the stream to a document-aligned layout first, from
-what every rank shares, so that all ranks choose alike. ``KCP_STRATEGY=relay|gather`` and
-``KCP_CONVERT=0|1`` override the choices.
+"""What the exchanges and the layout moves cost, modelled from what every rank shares, so that all ranks
+choose alike. The numbers are :mod:`megatron_kcp.calibration`'s (each with where it was measured); the
+strategies' ``cost`` (:mod:`megatron_kcp.parallel.strategy`) and the dispatch's layout move read the
+functions here.
 
 Where no rank holds a segment that continues its sequence both ways, the all-gather needs no
 transition map (every export is a true state) and every rank exports and folds at once: it is
 taken. Elsewhere :func:`costs` weighs, per direction, the relay's chain (:func:`relay_chain`: stage
 by stage, the busiest rank's state pass over the pieces that send on, and a message per hop) against the
 all-gather's slowest rank (a map pass over each segment that continues both ways, a state pass over
-each that only exports) plus the ring all-gather of the exchange slots. The constants are fitted on
-one-GPU timings of each rank's work (``benchmarks/simulate.py``, ``benchmarks/kernel_costs.py``);
-the choice moves with the map pass's cost, hardly with the state pass's.
+each that only exports) plus the ring all-gather of the exchange slots. The choice moves with the map
+pass's cost, hardly with the state pass's.
+
+A layout move (:func:`relayout_pays`) pays where the layout it leaves costs more to cross ranks in
+(:func:`layout_cost`: the cheaper exchange and the price of every cut of a sequence) than the layout it
+reaches plus the move itself (:func:`relayout_cost`), the difference of the cores either layout runs
+(:func:`core_saving`) included.
 
 The relay's pipeline over head groups (:func:`pipeline_depth`): heads are independent, so a rank
 can send a group of heads' states as soon as that group's state pass is done. With G groups the
 longest chain's wait (its state passes before its last piece) shrinks to about 1/G, and each group
-adds its own launches and messages (``GROUP_COST`` per group and direction). A core whose passes do
+adds its own launches and messages (``group_cost`` per group and direction). A core whose passes do
 not shrink with the heads (flash-qla's: a scan per head and sequence, latency-bound where a rank holds
-few long segments) says so (``min_group_heads`` None) and keeps G = 1. ``KCP_RELAY_GROUPS=G``
-overrides the choice.
+few long segments) says so (``min_group_heads`` None) and keeps G = 1.
+
+``KCP_STRATEGY=relay|gather``, ``KCP_CONVERT=0|1`` and ``KCP_RELAY_GROUPS=G`` override the choices
+(:class:`megatron_kcp.options.Options`).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.kernels.cores import CORES
+from megatron_kcp.options import Options
 from megatron_kcp.plan import KCPPlan, all_plans
 
-STRATEGIES = ("relay", "gather")
-STATE_PASS = 4e-8          # s per token of a state pass (fla, H200, H = 64)
-STATE_PASS_HEADS, STATE_PASS_DIM = 64, 128   # the heads and head dims STATE_PASS was measured at
-MAP_PASS = 4.4             # a transition-map pass against a state pass over the same tokens
-ALPHA, BW = CALIBRATION.link.latency, CALIBRATION.link.bandwidth   # the link: s per message, bytes / s
-# what a sequence cut over ranks costs beyond its chain's state passes, per cut (hop) and step (fwd+bwd):
-# segments too short to fill the kernels' chunks, a state written and read each way. HOP_HEAD, the
-# slope in the heads, is fitted on the per-document zigzag against the contiguous layout at H = 16 and
-# 64 (ops_h200x2.csv); HOP on the measured KDA op rows at 32 heads, 32k and 128k tokens, 100 and 300
-# documents (perdoc_h200x2.csv): our step left on the layout against ours on the same documents laid
-# out contiguously, less the modelled exchange (:func:`costs`), least squares over the cuts, taken as
-# HOP + 32 HOP_HEAD (tests/layers/test_layout.py::test_cut_price_fits_the_measured_rows)
-HOP, HOP_HEAD = 9e-6, 0.65e-6
-CONVERT_ENV = "KCP_CONVERT"
-# bytes a second a layout conversion moves, its local work included (rows gathered into the all-to-all's
-# buffer, put in place on arrival), a third of the link's BW: fitted on the measured op rows of
-# benchmarks/results/perdoc_h200x2.csv, Megatron-LM dev's scheme against fla's CP call on the same
-# contiguous documents (benchmarks/reports/, packed documents measured)
-CONVERT_BW = 100e9
-# the same for the op's move to head shards (megatron-core's all-to-all of q, k, v, g, beta and o, each way
-# packed in one pass and unpacked in one: parallel/cp2hp.py): least squares over the measured KDA op rows of
-# benchmarks/results/perdoc_heads_pack_h200x2.csv, the head-shard step less fla's one-GPU call on the pack
-# over W (the same call at HV / W heads), 10 to 300 documents
-# (tests/layers/test_layout.py::test_head_shard_price_fits_the_measured_rows)
-HEADS_CONVERT_BW = 140e9
-# what flash-qla's GDN core saves against fla's, s per token and value head of a step (fwd+bwd, K = V = 128): a
-# conversion that lets a rank run flash-qla where Megatron's layout leaves it fla's kernels (too many
-# per-document segments) also saves that. Least squares over fla's one-GPU call less flash-qla's on the same
-# packed documents (perdoc_h200x2.csv, 10 to 300 documents, 32k and 128k tokens):
-# tests/layers/test_layout.py::test_core_price_fits_the_measured_rows
-QLA_SAVES = 4.3e-9
-# the relay's pipeline over head groups
-GROUP_COST = 30e-6         # s a head group adds per direction (launches, messages, host work): not fitted
-MIN_GROUP_HEADS = CALIBRATION.min_group_heads     # value heads a group needs to fill the GPU (fla)
+C = CALIBRATION
+STATE_PASS = C.state_pass          # s per token of a state pass (fla, H200, H = 64)
+STATE_PASS_HEADS, STATE_PASS_DIM = C.state_pass_heads, C.state_pass_dim   # what STATE_PASS was measured at
+MAP_PASS = C.map_pass              # a transition-map pass against a state pass over the same tokens
+ALPHA, BW = C.link.latency, C.link.bandwidth   # the link: s per message, bytes / s
+HOP, HOP_HEAD = C.hop, C.hop_head  # a sequence cut over ranks, per cut and step, and its slope in the heads
+RELAYOUT_BW = C.relayout_bw        # bytes / s a layout move carries, its local work included
+HEADS_RELAYOUT_BW = C.heads_relayout_bw   # the same for the move to head shards (parallel/cp2hp.py)
+QLA_SAVES = C.qla_saves            # s per token and value head flash-qla's GDN core saves against fla's
+GROUP_COST = C.group_cost          # s a relay head group adds per direction
+MIN_GROUP_HEADS = C.min_group_heads    # value heads a group needs to fill the GPU (fla)
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,12 +78,10 @@ def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int 
     return relay, gather
 
 
-def choose(plan: KCPPlan, heads: int = 64) -> str:
+def choose(plan: KCPPlan, heads: int = 64, options: Options | None = None) -> str:
     """``relay`` or ``gather`` for this plan (``KCP_STRATEGY`` overrides)."""
-    forced = os.environ.get("KCP_STRATEGY")
+    forced = (Options.from_env() if options is None else options).forced_strategy()
     if forced:
-        if forced not in STRATEGIES:
-            raise ValueError(f"KCP_STRATEGY={forced!r}: use relay or gather (or unset it for the cost model)")
         return forced
     cu, layout, W = plan.global_cu_seqlens, plan.layout, plan.world_size
     if not needs_maps(cu, layout, W):
@@ -126,41 +108,52 @@ def cuts(cu_seqlens: tuple[int, ...], layout: str, world_size: int) -> int:
                if p.stage[i] == 0)
 
 
-def conversion_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float,
-                    bandwidth: float = CONVERT_BW) -> float:
-    """Seconds of a conversion: ``messages`` all-to-alls, moving ``bytes_per_token`` in all per token of
-    the stream (a rank keeps 1/W of its rows) at ``bandwidth`` (``CONVERT_BW``; ``HEADS_CONVERT_BW`` to
+def relayout_cost(tokens: int, world_size: int, bytes_per_token: float, messages: float,
+                  bandwidth: float = RELAYOUT_BW) -> float:
+    """Seconds of a layout move: ``messages`` all-to-alls, moving ``bytes_per_token`` in all per token of
+    the stream (a rank keeps 1/W of its rows) at ``bandwidth`` (``RELAYOUT_BW``; ``HEADS_RELAYOUT_BW`` to
     head shards)."""
     return messages * ALPHA + tokens / world_size * bytes_per_token * (world_size - 1) / world_size / bandwidth
 
 
-def convert_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,
-                 bytes_per_token: float, messages: float, target: str = "contiguous", core_saves: float = 0.0) -> bool:
-    """Whether moving the stream from ``layout`` to ``target`` (what it costs: :func:`conversion_cost`)
-    saves more than it costs (:func:`layout_cost` of both, and ``core_saves``: the seconds a step's core
-    saves in ``target``, see :func:`core_saving`). ``target="heads"``: to head shards, where nothing
-    crosses a rank (no layout cost) and the move has its own price (``HEADS_CONVERT_BW``).
-    ``KCP_CONVERT=1`` / ``0`` forces it."""
-    forced = os.environ.get(CONVERT_ENV)
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{CONVERT_ENV}={forced!r}: use 1 (convert), 0 (keep the layout), or unset it")
-        return forced == "1" and layout != target and world_size > 1
+def relayout_net(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,
+                 bytes_per_token: float, messages: float, target: str = "contiguous", core_saves: float = 0.0) -> float:
+    """Seconds a step gains by moving the stream from ``layout`` to ``target`` and back: what the move costs
+    (:func:`relayout_cost`) less what it saves (:func:`layout_cost` of both, and ``core_saves``: the seconds a
+    step's core saves in ``target``, see :func:`core_saving`); negative where it pays. ``target="heads"``: to
+    head shards, where nothing crosses a rank (no layout cost) and the move has its own price
+    (``HEADS_RELAYOUT_BW``). 0 where there is nothing to move."""
     if layout == target or world_size == 1:
-        return False
+        return 0.0
     to_heads = target == "heads"
     saved = layout_cost(cu_seqlens, layout, world_size, heads, head_dim) + core_saves - \
         (0.0 if to_heads else layout_cost(cu_seqlens, target, world_size, heads, head_dim))
-    return saved > conversion_cost(cu_seqlens[-1], world_size, bytes_per_token, messages,
-                                   HEADS_CONVERT_BW if to_heads else CONVERT_BW)
+    return relayout_cost(cu_seqlens[-1], world_size, bytes_per_token, messages,
+                         HEADS_RELAYOUT_BW if to_heads else RELAYOUT_BW) - saved
+
+
+def relayout_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int,
+                  bytes_per_token: float, messages: float, target: str = "contiguous", core_saves: float = 0.0,
+                  options: Options | None = None) -> bool:
+    """Whether moving the stream from ``layout`` to ``target`` saves more than it costs (:func:`relayout_net`
+    below zero). ``KCP_CONVERT=1`` / ``0`` forces it."""
+    forced = (Options.from_env() if options is None else options).forced_relayout()
+    if forced is not None:
+        return forced and layout != target and world_size > 1
+    return relayout_net(cu_seqlens, layout, world_size, heads, head_dim, bytes_per_token, messages, target,
+                        core_saves) < 0
+
+
+convert_pays = relayout_pays      # the name benchmarks/perdoc.py reads
 
 
 def core_saving(stay: str, moved: str, local_tokens: int, heads: int, head_dim: int) -> float:
     """Seconds a step (fwd+bwd) saves by running core ``moved`` (``fla`` | ``qla`` | ...) on a rank's
-    ``local_tokens`` instead of core ``stay``: ``QLA_SAVES`` a token and value head from fla's kernels to
-    flash-qla's (negative the other way), nothing between equal cores."""
-    sign = {("fla", "qla"): 1, ("qla", "fla"): -1}.get((stay, moved), 0)
-    return sign * QLA_SAVES * local_tokens * heads * (head_dim / 128) ** 2
+    ``local_tokens`` instead of core ``stay``: the difference of the cores' ``saves`` (a token and value head,
+    against fla's kernels: ``QLA_SAVES`` for flash-qla's), nothing between equal cores."""
+    if stay == moved:
+        return 0
+    return (CORES[moved].saves - CORES[stay].saves) * local_tokens * heads * (head_dim / 128) ** 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -192,9 +185,9 @@ def pipeline_depths(value_heads: int, qk_heads: int) -> tuple[int, ...]:
     return tuple(G for G in range(1, qk_heads + 1) if qk_heads % G == 0)
 
 
-def forced_depth(value_heads: int, qk_heads: int) -> int | None:
+def forced_depth(value_heads: int, qk_heads: int, options: Options | None = None) -> int | None:
     """``KCP_RELAY_GROUPS``, validated against the heads; None where it is unset."""
-    forced = os.environ.get("KCP_RELAY_GROUPS")
+    forced = (Options.from_env() if options is None else options).relay_groups
     if not forced:
         return None
     fits = pipeline_depths(value_heads, qk_heads)

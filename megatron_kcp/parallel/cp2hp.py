@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from megatron_kcp.parallel import registry
 from megatron_kcp.parallel.comm import AllToAll, all_to_all
 from megatron_kcp.plan import KCPPlan, all_plans, local_token_index
 from megatron_kcp.parallel.strategy import ExchangeStrategy
@@ -47,7 +48,23 @@ def token_order(plan: KCPPlan, device: torch.device) -> TokenOrder:
 
 
 class CP2HP(ExchangeStrategy):
+    """Where named (the default moves to head shards as a layout move: :mod:`megatron_kcp.ops.dispatch`),
+    without ``max_segment`` (no segments to split): megatron-core's scheme, fla's single-device call on head
+    shards where the core is not named (fla hands GDN to flash-qla's call where that is installed)."""
     name = "cp2hp"
+    order = 2
+
+    def applicable(self, problem):
+        return problem.strategy == self.name and not problem.max_segment
+
+    def refusal(self, problem):
+        return ("max_segment splits KCP's segments and strategy 'cp2hp' has none: drop it, or use a KCP "
+                "strategy")
+
+    def pick(self, problem):
+        if problem.core != "auto":
+            return problem.core, 0
+        return ("fla" if problem.cuda else "reference"), 0
 
     def check(self, q, v, plan, initial_state):
         check_cp2hp(q.shape[2], v.shape[2], plan.world_size, initial_state)
@@ -124,3 +141,6 @@ class SeqToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, None, *to_seq(ctx.order, ctx.group, grads, ctx.meta))
+
+
+registry.register(CP2HP())

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kcp.kernels.cores import CORES
+from megatron_kcp.parallel import registry
 from megatron_kcp.parallel.comm import all_gather
+from megatron_kcp.parallel.cost_model import costs, needs_maps
 from megatron_kcp.kernels.core import zeroed_states
 from megatron_kcp.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
@@ -142,7 +145,25 @@ def fold_reference(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
 
 
 class AllGather(StateExchange):
+    """Named, or under the default wherever the local core runs an all-gather with transition maps, or needs
+    none (a core named whose ``gather_maps`` is False runs the relay where maps would be needed: flash-qla's
+    all-gather with maps lost to its relay on the GPU runs). The only strategy of a split plan. Its cost: its
+    slowest rank and the ring all-gather of its slots, a direction (:func:`cost_model.costs`)."""
     name = "gather"
+    order = 1
+
+    def applicable(self, problem):
+        if problem.strategy != "auto":
+            return problem.strategy == self.name
+        return bool(problem.split) or problem.core == "auto" or CORES[problem.core].gather_maps or \
+            not self.uses_maps(problem)
+
+    def uses_maps(self, problem):
+        plan = problem.plan
+        return plan.world_size > 1 and needs_maps(plan.global_cu_seqlens, plan.layout, plan.world_size)
+
+    def cost(self, problem):
+        return costs(problem.plan.global_cu_seqlens, problem.plan.layout, problem.world_size, problem.value_heads)[1]
 
     def forward(self, core, P, plan: KCPPlan, group, h0: torch.Tensor):
         """(output, the transitions M of the segments that continue a sequence both ways: their M^T is
@@ -223,3 +244,6 @@ def _all_gather(buf, plan: KCPPlan, group):
 def _others(n, done):
     done = set(done)
     return [i for i in range(n) if i not in done]
+
+
+registry.register(AllGather())

@@ -32,7 +32,8 @@ import torch
 
 from megatron_kcp.parallel.comm import P2P
 from megatron_kcp.kernels.core import head_groups, zeroed_states
-from megatron_kcp.parallel.cost_model import pipeline_depth
+from megatron_kcp.parallel import registry
+from megatron_kcp.parallel.cost_model import costs, needs_maps, pipeline_depth
 from megatron_kcp.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
@@ -122,7 +123,24 @@ def pipeline(core, P, plan: KCPPlan, h0: torch.Tensor) -> list[slice | None]:
 
 
 class Relay(StateExchange):
+    """Named, or under the default where the all-gather would need transition maps (elsewhere the all-gather
+    exports true states, every rank at once) or ``KCP_STRATEGY=relay``; never on a split plan (its parts are
+    chained by the all-gather's fold). Its cost: its longest chain, a direction (:func:`cost_model.costs`)."""
     name = "relay"
+    order = 0                    # a tie with the all-gather: the relay
+
+    def applicable(self, problem):
+        if problem.split or problem.strategy not in ("auto", self.name):
+            return False
+        cu, layout, W = problem.plan.global_cu_seqlens, problem.plan.layout, problem.world_size
+        return problem.strategy == self.name or problem.options.strategy == self.name or needs_maps(cu, layout, W)
+
+    def cost(self, problem):
+        return costs(problem.plan.global_cu_seqlens, problem.plan.layout, problem.world_size, problem.value_heads)[0]
+
+    def refusal(self, problem):
+        return ("segments split by max_segment are chained through the all-gather's fold: use strategy='gather' "
+                "(or 'auto'), or max_segment=0 for the relay")
 
     def check(self, q, v, plan, initial_state):
         """A bad ``KCP_RELAY_GROUPS`` fails here, before any kernel."""
@@ -174,3 +192,6 @@ def _assemble(parts):
     if len(parts) == 1:
         return parts[0][1]
     return torch.cat([x for _, x in sorted(parts, key=lambda p: p[0])], 1)
+
+
+registry.register(Relay())

@@ -6,11 +6,24 @@ so a KCP mixer at CP = 1 runs exactly what megatron-core's does.
 """
 from __future__ import annotations
 
-from megatron_kcp.parallel.strategy import ExchangeStrategy
+from megatron_kcp.parallel import registry
+from megatron_kcp.parallel.strategy import TAKEN, ExchangeStrategy
 
 
 class SingleDevice(ExchangeStrategy):
+    """On one rank on CUDA wherever neither the core nor a split is named (whatever strategy is: one rank has
+    nothing to exchange): fla's single-device call. Where it applies it is taken (``TAKEN``)."""
     name = "none"
+    order = 4
+
+    def applicable(self, problem):
+        return problem.world_size == 1 and problem.cuda and problem.core == "auto" and problem.max_segment is None
+
+    def cost(self, problem):
+        return TAKEN
+
+    def pick(self, problem):
+        return "fla", 0
 
     def check(self, q, v, plan, initial_state):
         if plan.world_size != 1:
@@ -21,3 +34,6 @@ class SingleDevice(ExchangeStrategy):
         return core.single_device(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=plan.cu_seqlens_tensor(q.device),
                                   cu_seqlens_cpu=plan.cu_seqlens_tensor())
+
+
+registry.register(SingleDevice())

@@ -93,12 +93,21 @@ class NoExchange(StateExchange):
         return core.backward_rest(P, B), dh0
 
 
+def _off(original):
+    """A NoExchange that the dispatch picks where it would pick ``original`` (its name, rules and costs)."""
+    off = NoExchange()
+    for attr in ("applicable", "cost", "pick", "refusal"):
+        setattr(off, attr, getattr(original, attr))
+    off.name, off.order = original.name, original.order
+    return off
+
+
 def exchange_off(*names: str, conv_halo: bool = True):
     """Swap in NoExchange for the strategies ``names`` (default ``relay``) and, with ``conv_halo``, a
     zero conv halo; restored by the returned callable."""
     saved = {n: dispatch.STRATEGIES[n] for n in names or ("relay",)}
     restore_halo = halo_off() if conv_halo else (lambda: None)
-    dispatch.STRATEGIES.update({n: NoExchange() for n in saved})
+    dispatch.STRATEGIES.update({n: _off(s) for n, s in saved.items()})
 
     def restore():
         dispatch.STRATEGIES.update(saved)

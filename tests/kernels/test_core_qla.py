@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kcp import environment
+from megatron_kcp.kernels import core_fla, core_qla
 from megatron_kcp.ops import dispatch
 from megatron_kcp.plan import LAYOUTS, build_plan, split_segments
 from megatron_kcp.testing.distributed import spawn
@@ -60,13 +61,13 @@ def test_decide_picks_the_reference_on_cpu_and_the_relay_where_qla_needs_maps():
     ("zigzag_per_doc", 16, (0, 131072), 0), ("zigzag", 4, (0, 32768), 0), ("zigzag", 2, (0, 65536), 0),
     ("contiguous", 4, (0, 65536), 0), ("zigzag_per_doc", 4, (0, 65536, 131072), 0)])
 def test_fla_cuts_the_zigzag_middle_rank_segment_of_one_sequence(layout, W, cu, cut):
-    """fla's core under the all-gather on one zigzag sequence from W = 3 (``dispatch.fla_max_segment``): every
+    """fla's core under the all-gather on one zigzag sequence from W = 3 (``core_fla.fla_max_segment``): every
     rank picks the chunk length, which cuts the middle rank's double segment in two at its pieces' edge and
     no other; no rank exports more states. Not on chunks under 8192 tokens (128k over 16 ranks, 32k over 4:
     a rank's step bound by its launches), at W = 2 (the middle rank's exports would double), on the
     contiguous layout, with documents, for the relay and where the caller says 0."""
     plans = [build_plan(cu, layout, W, r, 4) for r in range(W)]
-    assert [dispatch.fla_max_segment(p) for p in plans] == [cut] * W
+    assert [core_fla.fla_max_segment(p) for p in plans] == [cut] * W
     assert pick(plans[0], "fla", "gather") == ("fla", "gather", cut)
     assert pick(plans[0], "fla", "relay") == ("fla", "relay", 0)
     assert pick(plans[0], "fla", "gather", 0) == ("fla", "gather", 0)
@@ -90,15 +91,15 @@ def test_fla_cuts_the_zigzag_middle_rank_segment_of_one_sequence(layout, W, cu, 
     ("varlen", "contiguous", 65536, 2, 16, 4096), ("varlen", "contiguous", 65536, 2, 32, 0),
     ("varlen", "contiguous", 65536, 2, 64, 0), ("varlen100", "zigzag_per_doc", 65536, 2, 16, 0)])
 def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W, heads, cut):
-    """The one-H200 crossovers (``dispatch.qla_max_segment``): a rank with fewer than 80 scans (heads x
+    """The one-H200 crossovers (``core_qla.qla_max_segment``): a rank with fewer than 80 scans (heads x
     chains; one 16k segment at 16, 32 or 64 heads) has its segments split into parts that give it 128
     (ten documents at 16 heads too: the longest is most of a rank), at least 4096 tokens long unless the
     sequence then holds at most 32 parts (32k or 48k tokens; not 128k over 8 or 16 ranks); 8k a rank,
     or segments of 4096, are bound by the host's launches, and many documents, or ten at 32 heads
     (about 95 scans) or 64, give qla enough scans for the split's extra passes not to pay."""
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     plan = build_plan(cu_seqlens(docs, tokens, pad=2 * W), layout, W, 0, 4)
-    assert dispatch.qla_max_segment(plan, heads) == cut
+    assert core_qla.qla_max_segment(plan, heads) == cut
 
 
 @pytest.mark.parametrize("docs,layout,heads,worth", [
@@ -109,9 +110,9 @@ def test_qla_splits_one_long_segment_a_rank_at_few_heads(docs, layout, tokens, W
 def test_auto_takes_qla_where_it_measured_faster(docs, layout, heads, worth):
     """The crossovers of the 2 x H200 runs (benchmarks/reports/): one long segment a rank at 16 heads leaves qla's
     scans latency-bound; documents or 64 heads do not; 200 interleaved segments a rank cost its covering passes."""
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     plan = build_plan(cu_seqlens(docs, 32768, pad=4), layout, 2, 0, 4)
-    assert dispatch.qla_worth(plan, heads) is worth
+    assert core_qla.qla_worth(plan, heads) is worth
 
 
 @pytest.mark.parametrize("case,match", [

@@ -10,6 +10,8 @@ from unittest import mock
 import pytest
 import torch
 
+from megatron_kcp import environment
+from megatron_kcp.problem import Problem
 from megatron_kcp.testing.distributed import on_rank0_for_all, rel_err, spawn
 from megatron_kcp.testing.layers import CPU, GPU, GPU_BF16, LONG_MEMORY_A_LOG, build, config, exchange_controls, solo_pg
 from megatron_kcp.testing.cases import docs_cu, raw_docs_cu
@@ -283,15 +285,15 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     import csv
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
-    from benchmarks.perdoc import SHAPES
+    from benchmarks.catalogue import cu_seqlens
+    from benchmarks.catalogue import SHAPES
     from megatron_kcp.layers.layout import run_traffic
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.cost_model import convert_pays
+    from megatron_kcp.parallel.cost_model import relayout_pays
     from megatron_kcp.plan import all_plans
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
-    monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
+    monkeypatch.setattr(environment, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
     results = Path(__file__).parents[2] / "benchmarks" / "results"
     files = [(gpu, W, f"perdoc{run}_{gpu}x{W}.csv") for gpu in ("h200", "h100") for W in (2, 4)
@@ -310,22 +312,22 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
                     steps.setdefault(key, {})["heads"] = float(r["ms"])
     shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
     picks = []
-    dispatch._decide.cache_clear()
+    dispatch.decide_problem.cache_clear()
     for (level, model, docs, T, W, gpu), ms in steps.items():
         if len([m for m in ms if m != "heads"]) < 2:
             continue
         s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], cu_seqlens(docs, T, pad=2 * W)
         if run is None:
-            d = dispatch._decide(all_plans(cu, "zigzag_per_doc", W)[0], torch.device("cuda"), torch.bfloat16,
-                                 model == "KDA", (s.K, s.K), s.HV, s.H, "auto", "auto", None, (None, None), True)
+            d = dispatch.decide_problem(Problem(all_plans(cu, "zigzag_per_doc", W)[0], torch.device("cuda"),
+                                                torch.bfloat16, model == "KDA", (s.K, s.K), s.HV, s.H, peer_calls=True))
             pick = "heads" if d.strategy == "cp2hp" else bool(d.layout)
         else:
-            pick = convert_pays(cu, "zigzag_per_doc", W, s.HV, s.K, *run_traffic(s.hidden * 2, run))
+            pick = relayout_pays(cu, "zigzag_per_doc", W, s.HV, s.K, *run_traffic(s.hidden * 2, run))
             ms.pop("heads", None)
         if pick not in ms:               # the picked step was not timed in this case
             continue
         picks.append((level, model, docs, T, W, gpu, pick, ms[pick] / min(ms.values())))
-    dispatch._decide.cache_clear()
+    dispatch.decide_problem.cache_clear()
     assert len(picks) >= 25 and any(p[6] == "heads" for p in picks) and any(p[5] == "h100" for p in picks), picks
     assert all(loss <= 1.10 for *_, loss in picks), [p for p in picks if p[-1] > 1.10]
 
@@ -342,10 +344,10 @@ def test_mixer_pick_where_every_process_agrees(monkeypatch):
     import re
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
-    from benchmarks.perdoc import SHAPES
+    from benchmarks.catalogue import cu_seqlens
+    from benchmarks.catalogue import SHAPES
     from megatron_kcp.layers.layout import run_traffic
-    from megatron_kcp.parallel.cost_model import convert_pays
+    from megatron_kcp.parallel.cost_model import relayout_pays
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     ms = {}
     with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_stay_or_convert_h200x2.csv",
@@ -360,14 +362,14 @@ def test_mixer_pick_where_every_process_agrees(monkeypatch):
         assert len(gains) == 3, (T, runs)
         if min(gains) > 0.02 or max(gains) < -0.02:
             faster = min(gains) > 0
-            assert convert_pays(cu_seqlens("varlen", T, pad=4), "zigzag_per_doc", 2, s.HV, s.K,
-                                *run_traffic(s.hidden * 2, 1)) == faster, (T, gains)
+            assert relayout_pays(cu_seqlens("varlen", T, pad=4), "zigzag_per_doc", 2, s.HV, s.K,
+                                 *run_traffic(s.hidden * 2, 1)) == faster, (T, gains)
             checked += 1
     assert checked == 1, ms
 
 
 def test_head_shard_price_fits_the_measured_rows():
-    """``cost_model.HEADS_CONVERT_BW`` is the least-squares bandwidth of the op's move to head shards on the
+    """``cost_model.HEADS_RELAYOUT_BW`` is the least-squares bandwidth of the op's move to head shards on the
     measured KDA rows since its packing (benchmarks/results/perdoc_heads_pack_h200x2.csv, W = 2, 10, 100
     and 300 documents): the head-shard step (``cp2hp``) less fla's one-GPU call on the pack over W (the
     same call at HV / W heads) less the all-to-alls' latency, against the bytes a rank sends. On that
@@ -375,7 +377,7 @@ def test_head_shard_price_fits_the_measured_rows():
     import csv
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops.dispatch import op_bytes_per_token
     from megatron_kcp.parallel import cost_model
     ms = {}
@@ -390,10 +392,10 @@ def test_head_shard_price_fits_the_measured_rows():
         sent = T / 2 * op / 2
         num += sent * sent
         den += sent * (m["cp2hp"] - m["noCP"] / 2 - 4 * cost_model.ALPHA)
-    assert abs(cost_model.HEADS_CONVERT_BW / (num / den) - 1) < 0.05, (num / den, cost_model.HEADS_CONVERT_BW)
+    assert abs(cost_model.HEADS_RELAYOUT_BW / (num / den) - 1) < 0.05, (num / den, cost_model.HEADS_RELAYOUT_BW)
     for docs, moves in (("varlen100", True), ("varlen", False)):
         cu = cu_seqlens(docs, 32768, pad=4)
-        assert cost_model.convert_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, target="heads") == moves, docs
+        assert cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, target="heads") == moves, docs
         assert (ms[(docs, 32768)]["cp2hp"] < ms[(docs, 32768)]["kcp"]) == moves, (docs, ms[(docs, 32768)])
 
 
@@ -403,29 +405,29 @@ def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
     on head shards against 8.97, benchmarks/reports/); the op weighs it at its own price only where no document
     is longer than a rank's share, so there it keeps its split step. 100 documents (Kimi-Linear, W = 2)
     move."""
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops import dispatch
-    from megatron_kcp.parallel.cost_model import convert_pays
+    from megatron_kcp.parallel.cost_model import relayout_pays
     from megatron_kcp.plan import all_plans
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
-    monkeypatch.setattr(dispatch, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
+    monkeypatch.setattr(environment, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
 
     def pick(docs, T, W, kda):
         heads = (32, 32) if kda else (16, 32)
         plan = all_plans(cu_seqlens(docs, T, pad=2 * W), "zigzag_per_doc", W)[0]
-        return dispatch._decide(plan, torch.device("cuda"), torch.bfloat16, kda, (128, 128), heads[1], heads[0],
-                                "auto", "auto", None, (None, None), True)
-    dispatch._decide.cache_clear()
+        return dispatch.decide_problem(Problem(plan, torch.device("cuda"), torch.bfloat16, kda, (128, 128), heads[1],
+                                               heads[0], peer_calls=True))
+    dispatch.decide_problem.cache_clear()
     try:
         op = dispatch.op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
         for T, W in ((32768, 4), (131072, 4), (131072, 8), (1048576, 8)):
-            assert convert_pays(cu_seqlens("single", T, pad=2 * W), "zigzag_per_doc", W, 32, 128, op, 4,
-                                target="heads"), (T, W)
+            assert relayout_pays(cu_seqlens("single", T, pad=2 * W), "zigzag_per_doc", W, 32, 128, op, 4,
+                                 target="heads"), (T, W)
             assert pick("single", T, W, kda=False).strategy == "gather", (T, W)
         assert pick("varlen100", 32768, 2, kda=True).strategy == "cp2hp"
     finally:
-        dispatch._decide.cache_clear()
+        dispatch.decide_problem.cache_clear()
 
 
 def test_cut_price_fits_the_measured_rows():
@@ -438,7 +440,7 @@ def test_cut_price_fits_the_measured_rows():
     import csv
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.parallel import cost_model
     ms = {}
     with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_h200x2.csv", newline="") as f:
@@ -470,7 +472,7 @@ def test_core_price_fits_the_measured_rows():
     import csv
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops.dispatch import op_bytes_per_token
     from megatron_kcp.parallel import cost_model
     num = den = 0.0
@@ -488,8 +490,8 @@ def test_core_price_fits_the_measured_rows():
     assert abs(cost_model.QLA_SAVES / (num / den) - 1) < 0.05, (num / den, cost_model.QLA_SAVES)
     cu, op = cu_seqlens("varlen100", 131072, pad=4), op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
     saves = cost_model.core_saving("fla", "qla", 65536, 32, 128)
-    assert cost_model.convert_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, core_saves=saves)
-    assert not cost_model.convert_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4)
+    assert cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, core_saves=saves)
+    assert not cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4)
     assert cost_model.core_saving("qla", "fla", 65536, 32, 128) == -saves
     assert cost_model.core_saving("fla", "fla", 65536, 32, 128) == 0
 
@@ -521,18 +523,18 @@ def test_block_converts_at_the_edges_of_the_linear_run():
 def test_cost_model_converts_many_documents_and_ranks_agree():
     """The decision reads only what every rank shares; with many documents it converts, and at the
     mixer level (d_model per token) sooner than at the op level (q, k, v, g, beta and o)."""
-    from megatron_kcp.parallel.cost_model import convert_pays
+    from megatron_kcp.parallel.cost_model import relayout_pays
     hundred = docs_cu(100, 2)
     hidden = 4 * 2048 * 2                                       # four all-to-alls of bf16 d_model = 2048
     op = 2 * 64 * ((4 * 128 + 1) * 2 + 4)
-    assert convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
-    assert convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, op, 4)
-    assert not convert_pays(hundred, "contiguous", 2, 64, 128, hidden, 4)
-    assert not convert_pays(hundred, "zigzag_per_doc", 1, 64, 128, hidden, 4)
+    assert relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
+    assert relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, op, 4)
+    assert not relayout_pays(hundred, "contiguous", 2, 64, 128, hidden, 4)
+    assert not relayout_pays(hundred, "zigzag_per_doc", 1, 64, 128, hidden, 4)
     single = (0, 32768)
-    assert convert_pays(single, "zigzag_per_doc", 2, 64, 128, hidden / 3, 4 / 3)
-    assert not convert_pays(single, "zigzag_per_doc", 2, 64, 128, op, 4)
+    assert relayout_pays(single, "zigzag_per_doc", 2, 64, 128, hidden / 3, 4 / 3)
+    assert not relayout_pays(single, "zigzag_per_doc", 2, 64, 128, op, 4)
     with mock.patch.dict("os.environ", {"KCP_CONVERT": "0"}):
-        assert not convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
+        assert not relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
     with mock.patch.dict("os.environ", {"KCP_CONVERT": "yes"}), pytest.raises(ValueError, match="use 1"):
-        convert_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
+        relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)

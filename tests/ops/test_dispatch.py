@@ -55,7 +55,7 @@ def decided(monkeypatch, kind, W, layout, docs, T, heads, device, head_dim=128, 
     v = Probe((1, T // W, heads, head_dim), dev)
     g = Probe((1, T // W, heads, head_dim) if kind == "kda" else (1, T // W, heads), dev)
     h0 = torch.zeros(1) if initial_state else None
-    for cache in (getattr(dispatch, "_decide", None), getattr(dispatch, "_qla_worth", None),
+    for cache in (getattr(dispatch, "_decide", None), getattr(dispatch, "decide_problem", None),
                   getattr(dispatch, "_qla_max_segment", None)):
         if cache is not None and hasattr(cache, "cache_clear"):
             cache.cache_clear()
@@ -300,6 +300,7 @@ def test_every_rank_decides_alike(monkeypatch):
             continue
         picks = set()
         for rank in range(W):
+            dispatch.decide_problem.cache_clear()
             plan = all_plans(documents(docs, T, 2 * W), layout, W)[rank]
             monkeypatch.setattr(environment, "qla_runs", lambda *a: device == "hopper+qla")
             monkeypatch.setattr(dispatch, "qla_runs", lambda *a: device == "hopper+qla", raising=False)

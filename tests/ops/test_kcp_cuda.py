@@ -455,7 +455,10 @@ def _middle_split(out_dir):
     the fp64 reference, within 1.5x (+ a floor) of the one-GPU run's error, bf16, GDN and KDA; and with the
     exchange off it must miss by 10x that bound."""
     from megatron.core import parallel_state as ps
-    dispatch.FLA_SPLIT_MIN_PART = 0                  # this rank's process only (spawned)
+    import dataclasses
+
+    from megatron_kcp.kernels import core_fla
+    core_fla.CALIBRATION = dataclasses.replace(core_fla.CALIBRATION, fla_split_min_part=0)   # this rank's process only
     group = ps.get_context_parallel_group()
     W, r = dist.get_world_size(group), dist.get_rank(group)
     cu, dtype, lines, failed = (0, 2 * W * 320), torch.bfloat16, [], []

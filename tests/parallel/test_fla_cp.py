@@ -6,20 +6,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import cu_seqlens
+from benchmarks.catalogue import cu_seqlens
 from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.fla_cp import FlaCP
+from megatron_kcp.options import Options
 from megatron_kcp.plan import all_plans
+from megatron_kcp.problem import Problem
 
 CUDA = torch.device("cuda")          # only decided on: nothing runs
+
+
+def decide_on(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend, strategy, max_segment,
+              forced=(None, None), peer_calls=False):
+    """dispatch's decision on a problem given field by field (``forced``: KCP_STRATEGY, KCP_CONVERT)."""
+    return dispatch.decide_problem(Problem(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backend,
+                                           strategy, max_segment, peer_calls,
+                                           Options(strategy=forced[0], convert=forced[1])))
 
 
 def _decide(W, device=CUDA, backend="auto", max_segment=None, strategy="fla-cp", docs="varlen100", T=32768,
             layout="contiguous", kda=True, forced=(None, None), peer_calls=True, heads=32):
     plan = all_plans(cu_seqlens(docs, T, pad=2 * W), layout, W)[0]
-    dispatch._decide.cache_clear()
-    return dispatch._decide(plan, device, torch.bfloat16, kda, (128, 128), heads, heads, backend, strategy,
-                            max_segment, forced, peer_calls)
+    dispatch.decide_problem.cache_clear()
+    return decide_on(plan, device, torch.bfloat16, kda, (128, 128), heads, heads, backend, strategy,
+                     max_segment, forced, peer_calls)
 
 
 def test_fla_cp_runs_fla_kernels_whole():
@@ -47,8 +57,8 @@ def test_the_default_picks_fla_cp_for_kda_where_a_ranks_step_is_host_bound():
     # on Megatron's layout the op converts to the contiguous one, and runs fla's call there, where the
     # heads do not divide over the ranks (else it moves to head shards)
     for cu in (cu_seqlens("varlen", 32768, pad=8), (0, 16384, 16388, 32768)):     # every rank decides alike
-        decided = {dispatch._decide(p, CUDA, torch.bfloat16, True, (128, 128), 32, 32, "auto", "auto", None,
-                                    (None, None), True) for p in all_plans(cu, "contiguous", 4)}
+        decided = {decide_on(p, CUDA, torch.bfloat16, True, (128, 128), 32, 32, "auto", "auto", None,
+                             (None, None), True) for p in all_plans(cu, "contiguous", 4)}
         assert len(decided) == 1, decided
     moved = _decide(4, strategy="auto", layout="zigzag_per_doc", heads=6)
     assert (moved.strategy, moved.layout) == ("fla-cp", "contiguous"), moved
