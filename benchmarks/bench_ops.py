@@ -79,21 +79,19 @@ import csv
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))                      # benchmarks (this package), megatron_kcp and tests
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from benchmarks.common import DOCS, init_rank, spawn  # noqa: E402
-from benchmarks.layers import run_layers  # noqa: E402
-from benchmarks.memory import NEEDS_GPU, report  # noqa: E402
-from benchmarks.ops import run_ops  # noqa: E402
-from benchmarks.kernel_profile import run_profile  # noqa: E402
-from benchmarks.table import COLUMNS, Table, describe  # noqa: E402
-from benchmarks.timing import Bench  # noqa: E402
+from benchmarks.catalogue import OP_DOCS as DOCS
+from benchmarks.common import init_rank, spawn
+from benchmarks.layers import run_layers
+from benchmarks.memory import NEEDS_GPU, report
+from benchmarks.ops import run_ops
+from benchmarks.kernel_profile import run_profile
+from benchmarks.table import COLUMNS, Table, describe
+from benchmarks.timing import Bench
 
 
 LAYER_METHODS = ("megatron", "megatron-qla", "noCP", "cp2hp", "cp2hp-qla", "kcp")
@@ -117,8 +115,8 @@ def worker(rank, W, port, args):
         dist.destroy_process_group()
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def parse(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--what", nargs="+", choices=["ops", "layers", "profile"], default=["ops"])
     p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes W (default: the number of GPUs)")
@@ -154,7 +152,6 @@ def parse(argv=None):
     p.add_argument("--kcp-parts", type=int, nargs="+", default=[], metavar="N",
                    help="layer level, GDN: also rows kcp-partsN, our op's segments split into parts of N tokens")
     p.add_argument("--csv", default=None)
-    p.add_argument("--png", default=None, help="default: next to --csv (needs matplotlib)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes: checks the script, measures nothing")
     p.add_argument("--memory-only", action="store_true",
@@ -188,8 +185,8 @@ def parse(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse(argv)
+def main(argv=None, prog=None):
+    args = parse(argv, prog)
     # fla sends GDN to flash-qla when that is installed; every fla row (noCP, cp2hp, fla-cp) runs fla's
     # Triton kernels like ours, and flash-qla has a row of its own (noCP-qla)
     os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -214,10 +211,3 @@ def main(argv=None):
             csv.DictWriter(f, COLUMNS).writeheader()
     for W in cps:
         spawn(worker, W, args)
-    if args.csv and "ops" in args.what:
-        from benchmarks.plot import plot, read_rows
-        print(plot(read_rows(args.csv), args.png or str(Path(args.csv).with_suffix(".png"))))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""What every benchmark shares: the documents, the inputs, the error measure, the ranks, and the CSVs."""
+"""What every bench shares: the inputs, the error measure, the ranks, and the CSVs (the problems: catalogue.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +11,6 @@ from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
-
-VARLEN_32K = (0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768)
-CONV = 4                                           # conv kernel size the plans carry (halo of 3 tokens)
-DOCS = ("single", "varlen", "varlen100")            # the default sets; cu_seqlens takes any varlenN
 
 
 @contextlib.contextmanager
@@ -43,32 +39,6 @@ def split_parts(tokens: int | None):
         return decide(plan, q, v, g, backend, strategy, tokens if max_segment is None else max_segment, initial_state)
     with mock.patch.object(dispatch, "decide", forced):
         yield
-
-
-def _weights(n: int) -> list[float]:
-    """``n`` document lengths (log-normal, fixed seed), as fractions of the stream."""
-    w = torch.exp(0.8 * torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64))
-    return (w.cumsum(0) / w.sum()).tolist()
-
-
-def cu_seqlens(docs: str, T: int, pad: int = 1) -> tuple[int, ...]:
-    """``single``: one sequence; ``varlen``: the 10 documents of VARLEN_32K scaled to T; ``varlen100``,
-    ``varlen300``: 100 or 300 log-normal lengths (100: 0.1% to 5% of the stream). Every document is a
-    multiple of ``pad`` tokens, as Megatron pads THD documents to 2 x CP for the per-document layout."""
-    if docs == "single":
-        return (0, T)
-    if T % pad:
-        raise ValueError(f"T={T} is not a multiple of the padding {pad}")
-    if docs == "varlen":
-        cu = tuple(round(c * T / VARLEN_32K[-1] / pad) * pad for c in VARLEN_32K)
-        if any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"T={T} is too short for the varlen set with padding {pad}: use more --tokens")
-        return cu
-    frac = _weights(int(docs.removeprefix("varlen")))
-    rest = T - len(frac) * pad                     # every document gets ``pad`` tokens, then its share
-    if rest < 0:
-        raise ValueError(f"T={T} is too short for the {docs} set with padding {pad}: use more --tokens")
-    return (0, *((i + 1) * pad + round(f * rest / pad) * pad for i, f in enumerate(frac)))
 
 
 def rel_err(a, b) -> float:
@@ -130,11 +100,19 @@ def measured_world(cp: int | None, hint: str = "") -> int:
     return W
 
 
-def append_csv(path: str, columns, rows) -> None:
-    """``rows`` (dicts) appended to the CSV at ``path``, its header first where the file is new or empty."""
+def append_csv(path: str, columns, rows, source: str = "measured") -> None:
+    """``rows`` (dicts) appended to the CSV at ``path`` with the provenance of ``source`` (the results schema,
+    ``benchmarks/schema.py``), its header first where the file is new or empty (an older file keeps its own)."""
+    from benchmarks.schema import PROVENANCE, provenance
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f))
+    else:
+        columns = [*columns, *(c for c in PROVENANCE if c not in columns)]
+    meta = provenance(source)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, columns)
+        w = csv.DictWriter(f, columns, extrasaction="ignore")
         if new:
             w.writeheader()
-        w.writerows(rows)
+        w.writerows({**meta, **r} for r in rows)

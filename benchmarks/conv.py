@@ -13,18 +13,15 @@ of 4096 channels each, counted as three calls).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.common import append_csv, cu_seqlens  # noqa: E402
-from megatron_kcp.kernels import conv_fla, conv_gluon, conv_reference  # noqa: E402
-from megatron_kcp.plan import build_plan  # noqa: E402
+from benchmarks.catalogue import cu_seqlens
+from benchmarks.common import append_csv
+from megatron_kcp.kernels import conv_fla, conv_gluon, conv_reference
+from megatron_kcp.plan import build_plan
 
 COLUMNS = ("gpu", "W", "layout", "tokens", "docs", "shape", "channels", "calls", "dtype", "backend", "fwd_ms", "ms",
            "err", "note")
@@ -90,8 +87,8 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
     p.add_argument("--docs", nargs="+", default=["single", "varlen100"])
     p.add_argument("--cp", type=int, default=2, help="W whose ranks' local convs run in turn")
@@ -133,7 +130,3 @@ def main(argv=None):
                         print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     if args.csv:
         append_csv(args.csv, COLUMNS, rows)
-
-
-if __name__ == "__main__":
-    main()

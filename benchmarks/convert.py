@@ -13,18 +13,15 @@ rank sending the most puts on the link a move. ``--note`` tags the rows (e.g. th
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.common import append_csv, cu_seqlens, init_rank, measured_world, spawn  # noqa: E402
-from benchmarks.timing import Bench  # noqa: E402
-from megatron_kcp.parallel.relayout import positions, relayout  # noqa: E402
+from benchmarks.catalogue import cu_seqlens
+from benchmarks.common import append_csv, init_rank, measured_world, spawn
+from benchmarks.timing import Bench
+from megatron_kcp.parallel.relayout import positions, relayout
 
 COLUMNS = ("gpu", "W", "tokens", "width", "dtype", "docs", "kept", "sent_mib", "fwd_ms", "ms", "note")
 
@@ -66,8 +63,8 @@ def worker(rank, W, port, args):
     dist.destroy_process_group()
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
     p.add_argument("--width", type=int, default=2048, help="d_model (Qwen3-Next: 2048, Kimi-Linear: 2304)")
     p.add_argument("--docs", nargs="+", default=["varlen", "varlen100", "varlen300"])
@@ -88,10 +85,6 @@ def parse(argv=None):
     return args, W
 
 
-def main(argv=None):
-    args, W = parse(argv)
+def main(argv=None, prog=None):
+    args, W = parse(argv, prog)
     spawn(worker, W, args)
-
-
-if __name__ == "__main__":
-    main()

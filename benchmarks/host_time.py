@@ -30,20 +30,18 @@ import csv
 import os
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks import simulate  # noqa: E402
-from benchmarks.common import cu_seqlens, fresh_leaves  # noqa: E402
-from benchmarks.perdoc import DOCS, SHAPES, TINY, inputs  # noqa: E402
-from benchmarks.timing import kernel_time  # noqa: E402
-from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
+from benchmarks import simulate
+from benchmarks.catalogue import cu_seqlens
+from benchmarks.common import fresh_leaves
+from benchmarks.perdoc import DOCS, SHAPES, TINY, inputs
+from benchmarks.timing import kernel_time
+from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "rank", "layout", "pipeline", "step_ms", "host_ms", "kernel_ms",
            "launches", "graph_ms", "note")
@@ -209,8 +207,8 @@ def host_profile(step, rows: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["qwen3-next-tp2", "qwen3-next", "h64-gdn"])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
@@ -299,7 +297,3 @@ def report(row: dict, make, what: str, args, cuda: bool) -> None:
             csv.DictWriter(f, COLUMNS).writerow(row)
     if cuda:
         torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()

@@ -14,15 +14,12 @@ import argparse
 import csv
 import os
 import statistics
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import cu_seqlens, fresh_leaves, problem  # noqa: E402
+from benchmarks.catalogue import cu_seqlens
+from benchmarks.common import fresh_leaves, problem
 
 
 def timed(fn, warmup, iters) -> float:
@@ -110,8 +107,8 @@ def case(model, T, docs, H, args, rows):
     torch.cuda.empty_cache()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--heads", type=int, nargs="+", default=[64])
     p.add_argument("--docs", nargs="+", default=["single", "varlen", "varlen100"])
@@ -134,7 +131,3 @@ def main(argv=None):
             w = csv.DictWriter(f, list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-
-
-if __name__ == "__main__":
-    main()

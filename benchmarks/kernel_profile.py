@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem
+from benchmarks.catalogue import CONV, cu_seqlens
+from benchmarks.common import fresh_leaves, problem
 from benchmarks.ops import chunk_kernel, fla_cp, op_steps
 from benchmarks.timing import Bench
 

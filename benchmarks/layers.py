@@ -18,7 +18,8 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import cu_seqlens, env, rel_err, split_parts
+from benchmarks.catalogue import cu_seqlens
+from benchmarks.common import env, rel_err, split_parts
 from benchmarks.table import Table
 from benchmarks.timing import Bench
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves, init_rank, problem, spawn
+from benchmarks.catalogue import CONV, cu_seqlens
+from benchmarks.common import fresh_leaves, init_rank, problem, spawn
 from benchmarks.timing import Bench
 
 NEEDS_GPU = ("--memory-only reports CUDA peak memory (torch.cuda.max_memory_allocated) of fla's kernels: it needs "

@@ -25,17 +25,13 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.common import append_csv, free_port  # noqa: E402
-from benchmarks.timing import kernel_time  # noqa: E402
+from benchmarks.common import append_csv, free_port
+from benchmarks.timing import kernel_time
 
 COLUMNS = ("gpu", "model", "tokens", "heads", "hidden", "mixer", "core", "flash_qla", "median_ms", "min_ms", "host_ms",
            "launches", "err")
@@ -85,8 +81,8 @@ class _Layer(torch.nn.Module):
         return y, None
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gdn", choices=("gdn", "kda"))
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--heads", type=int, nargs="+", default=[16])
@@ -178,7 +174,3 @@ def main(argv=None):
     if args.csv:
         append_csv(args.csv, COLUMNS, rows)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import CONV, cu_seqlens, fresh_leaves, problem, rel_err
+from benchmarks.catalogue import CONV, cu_seqlens
+from benchmarks.common import fresh_leaves, problem, rel_err
 from megatron_kcp.parallel.cp2hp import CP2HP
 from benchmarks.table import Table
 from benchmarks.timing import Bench

@@ -1,8 +1,9 @@
 """Packed documents at W CP ranks, predicted from one GPU: op, mixer and hybrid-block level.
 
-    python benchmarks/perdoc.py --csv benchmarks/results/perdoc_h200x1_predicted.csv
-    python benchmarks/perdoc.py --shapes qwen3-next --tokens 131072 --cp 2 4 8 16 64 --levels ops
-    python benchmarks/perdoc.py --smoke            # CPU, reference core, tiny sizes: checks the script
+    python -m benchmarks predict matrix --csv perdoc_h200x1_predicted.csv
+    python -m benchmarks predict matrix --shapes qwen3-next --tokens 131072 --cp 2 4 8 16 64 --levels ops
+    python -m benchmarks predict --problem single-scale     # a named problem (benchmarks/catalogue.py)
+    python -m benchmarks predict matrix --smoke             # CPU, reference core, tiny sizes: checks the bench
 
 Megatron's layout of a packed THD batch (``--layouts``: the per-document zigzag of ``--sft``, every
 document cut into 2W chunks, by default; ``zigzag``, the whole stream cut into 2W chunks, as
@@ -27,14 +28,16 @@ Methods:
 * ``kcp``: the default (``note``: its strategy and layout); at mixer and block level the hidden
   states move once per run of linear layers (four all-to-alls), at op level the op's own inputs
   where the cost model says so;
-* peers of one part of the default, asked for by name (op level, :data:`BY_NAME`): ``kcp-foldloop``,
+* peers of one part of the default, asked for by name (op level, :data:`BY_NAME`, declared in
+  ``benchmarks/methods.py``): ``kcp-foldloop``,
   the all-gather's fold in PyTorch, a launch a chain step (``gather.fold_reference``), beside the fold
   in one kernel; ``kcp-ownstart``, every sequence start on a state pass of its own, not the maps pass
-  (``AllGather.starts_through_maps``); ``kcp-whole``, no segment split by the kernels' pick (``max_segment=0``:
+  (``methods.OwnStartsGather``); ``kcp-whole``, no segment split by the kernels' pick (``max_segment=0``:
   ``dispatch.qla_max_segment``, ``dispatch.fla_max_segment``).
 
 Predicted (``source`` = predicted): every rank's step timed alone with its exchange stubbed and
-replayed over the fitted link (``simulate.py``), the slowest rank. Mixer level adds the mixer's
+replayed over the fitted link (``simulate.py``, the link of ``megatron_kcp.calibration``), the slowest
+rank. Mixer level adds the mixer's
 per-token work at T/W tokens (the mixer at CP=1 with its gated delta rule stubbed, measured) and the
 hidden-state all-to-alls. Block level (3 linear + 1 softmax attention, one run of linear layers):
 three mixers' cores, the per-token work of all four layers at T/W tokens (measured with the cores
@@ -46,55 +49,32 @@ the GPU is left out.
 from __future__ import annotations
 
 import argparse
-import csv
+import contextlib
 import os
 import statistics
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import simulate
+from benchmarks.catalogue import CONV, DOCS, SHAPES, TINY, Shape, cu_seqlens
+from benchmarks.common import free_port, fresh_leaves
+from benchmarks.methods import METHODS as REGISTRY
+from benchmarks.schema import Writer
+from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.plan import LAYOUTS, build_plan
 
-from benchmarks import simulate  # noqa: E402
-from benchmarks.common import CONV, cu_seqlens, free_port, fresh_leaves, split_parts  # noqa: E402
-from benchmarks.table import COLUMNS  # noqa: E402
-from megatron_kcp.plan import LAYOUTS, build_plan  # noqa: E402
-
-DOCS = ("single", "varlen", "varlen100", "varlen300")
-
-
-@dataclass(frozen=True)
-class Shape:
-    model: str                  # GDN | KDA
-    H: int                      # q/k heads
-    HV: int                     # v heads
-    K: int                      # head dim (K = V)
-    hidden: int = 0             # d_model (0: op level only)
-    attn: tuple[int, int, int] = (0, 0, 0)    # softmax attention: q heads, kv heads, head dim
-
-
-SHAPES = {"qwen3-next": Shape("GDN", 16, 32, 128, 2048, (16, 2, 256)),
-          "kimi-linear": Shape("KDA", 32, 32, 128, 2304, (32, 32, 128)),
-          "qwen3-next-tp2": Shape("GDN", 8, 16, 128),       # one TP = 2 rank's heads (op level)
-          "h64-gdn": Shape("GDN", 64, 64, 128), "h64-kda": Shape("KDA", 64, 64, 128)}
 CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
 METHODS = ("noCP", "noCP-qla", "cp2hp", "cp2hp-qla", "mlm-chunkwise", "fla-cp", "kcp-noconvert", "kcp-unpipelined",
            "kcp")
 BY_NAME = ("kcp-foldloop", "kcp-ownstart", "kcp-whole")   # the default with one part changed: only where asked
-TINY = {"qwen3-next": Shape("GDN", 2, 4, 16, 32, (2, 1, 16)), "kimi-linear": Shape("KDA", 2, 2, 16, 32, (2, 2, 16))}
+__all__ = ["Shape", "SHAPES", "TINY", "DOCS", "main"]
 
 
 def peer(method: str):
-    """The patch that makes the default step the by-name peer ``method`` (:data:`BY_NAME`)."""
-    from megatron_kcp.parallel import gather
-    return {"kcp-foldloop": lambda: mock.patch.object(gather, "fold", gather.fold_reference),
-            "kcp-ownstart": lambda: mock.patch.object(gather.AllGather, "starts_through_maps", False),
-            "kcp-whole": lambda: split_parts(0)}[method]()
+    """The registry's ``method`` in place (:data:`BY_NAME`); yields its op options."""
+    return REGISTRY[method].applied()
 
 
 def inputs(s: Shape, T: int, dtype, dev, seed: int):
@@ -171,12 +151,12 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
     from megatron_kcp.parallel.relayout import relayout
     out, want = {}, set(args.methods)
 
-    def ours(plan, strategy="auto"):
+    def ours(plan, strategy="auto", **options):
         return lambda *x: kcp.gated_delta_rule(*x, plan, simulate.NO_GROUP, use_qk_l2norm=True, backend=backend,
-                                               strategy=strategy)
+                                               strategy=strategy, **options)
 
-    def note(plan):
-        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend)
+    def note(plan, **options):
+        d = dispatch.decide(plan, xs[0], xs[2], xs[3], backend, **options)
         depth = ""
         if d.strategy == "relay" and W > 1:
             inner = target_plan(plan, d.layout) if d.layout else plan
@@ -185,10 +165,10 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
             depth = f", {groups} head group{'s' if groups > 1 else ''}"
         return d.describe() + depth
 
-    def run(method, fn_of, plan, env=None, text=None):
+    def run(method, fn_of, plan, text=None, **options):
         try:
-            with mock.patch.dict(os.environ, env or {}):
-                out[method] = (*predicted(cu, W, xs, do, fn_of, args, plan.layout), text or note(plan))
+            with REGISTRY[method].applied() if method in REGISTRY else contextlib.nullcontext():
+                out[method] = (*predicted(cu, W, xs, do, fn_of, args, plan.layout), text or note(plan, **options))
             done(method, out[method])
         except torch.OutOfMemoryError:
             print(f"{method}: out of memory", flush=True)
@@ -197,16 +177,16 @@ def core_steps(s: Shape, cu, W, xs, do, args, backend, done=lambda key, result: 
                 torch.cuda.empty_cache()
     plan0, contiguous = build_plan(cu, layout, W, 0), build_plan(cu, "contiguous", W, 0)
     if "kcp-noconvert" in want:
-        run("kcp-noconvert", ours, plan0, {"KCP_CONVERT": "0"})
+        run("kcp-noconvert", ours, plan0)
     if "kcp" in want:
         run("kcp-op", ours, plan0)
         if set(args.levels) - {"ops"}:
             run("kcp-contiguous", lambda p: ours(target_plan(p, "contiguous")), contiguous)
     if "kcp-unpipelined" in want:
-        run("kcp-unpipelined", ours, plan0, {"KCP_RELAY_GROUPS": "1"})
+        run("kcp-unpipelined", ours, plan0)
     for method in (m for m in BY_NAME if m in want):
-        with peer(method):
-            run(method, ours, plan0)
+        options = REGISTRY[method].options
+        run(method, lambda p, o=options: ours(p, **o), plan0, **options)
     if not args.smoke and want & {"mlm-chunkwise", "fla-cp"}:
         from benchmarks.ops import chunk_kernel
         from fla.ops.cp import build_cp_context
@@ -450,8 +430,8 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             emit(level, rows, method)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
@@ -468,8 +448,10 @@ def main(argv=None):
     p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto",
                    help="the core of our rows (auto: the default's pick, flash-qla for GDN where it wins)")
     p.add_argument("--no-qla", dest="qla", action="store_false", help="skip flash-qla's one-GPU call")
-    p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
-    p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
+    p.add_argument("--alpha-us", type=float, default=CALIBRATION.link.latency * 1e6,
+                   help="link latency per message (us; default: megatron_kcp.calibration's)")
+    p.add_argument("--bw-gbs", type=float, default=CALIBRATION.link.bandwidth / 1e9,
+                   help="link bandwidth (GB/s, 1e9 bytes; default: megatron_kcp.calibration's)")
     p.add_argument("--csv", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print every rank's timeline (compute between its exchange points) and kernel table "
@@ -505,21 +487,16 @@ def main(argv=None):
                             torch.cuda.empty_cache()
 
 
-def row_writer(path):
-    """write(row): prints the row's main columns and appends it to the CSV at ``path`` (bench_ops.py's
-    columns and ``source``), whose header it writes first."""
-    columns = list(COLUMNS) + ["source"]
-    if path:
-        with open(path, "w", newline="") as f:
-            csv.DictWriter(f, columns).writeheader()
+def row_writer(path, source="predicted"):
+    """write(row): prints the row's main columns and appends it to the CSV at ``path`` (the results schema,
+    ``benchmarks/schema.py``), whose header it writes first."""
+    writer = Writer(path, source)
 
     def write(row):
         print(" ".join(f"{row.get(c, '')}" if not isinstance(row.get(c), float) else f"{row[c]:.4g}"
                        for c in ("level", "model", "tokens", "docs", "heads", "W", "method", "layout", "ms", "eff",
                                  "x_cp2hp", "err", "note")), flush=True)
-        if path:
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, columns, extrasaction="ignore").writerow(row)
+        writer(row)
     return write
 
 
@@ -536,7 +513,3 @@ def init_megatron(dev):
     if dev.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(0)
-
-
-if __name__ == "__main__":
-    main()

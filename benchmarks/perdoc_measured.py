@@ -54,22 +54,19 @@ import contextlib
 import functools
 import importlib.util
 import os
-import sys
 import time
-from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from benchmarks import perdoc  # noqa: E402
-from benchmarks.common import (CONV, cu_seqlens, env, fresh_leaves, init_rank, measured_world, rel_err,  # noqa: E402
-                               spawn)
-from benchmarks.timing import Bench  # noqa: E402
-from megatron_kcp.plan import build_plan, local_token_index  # noqa: E402
+from benchmarks import perdoc
+from benchmarks.catalogue import CONV, cu_seqlens
+from benchmarks.common import env, fresh_leaves, init_rank, measured_world, rel_err, spawn
+from benchmarks.methods import METHODS as METHODS_DECLARED
+from benchmarks.timing import Bench
+from megatron_kcp.plan import build_plan, local_token_index
 
 LEVELS = ("ops", "mixer", "block")
 # ops only: kcp-graph, the default's step captured in a CUDA graph; kcp-ownstart-graph, the peer
@@ -94,11 +91,8 @@ def method_env(method: str, cuda: bool) -> dict:
     dispatch keeps its Gluon kernels out of distributed runs); ours: the default's pick, or ``KCP_CONV``
     where set."""
     peer_conv = {"KCP_CONV": "fla"} if cuda and not method.startswith("kcp") else {}
-    return {**peer_conv, "FLA_FLASH_QLA": "1" if method in QLA else "0",
-            "KCP_CONVERT": {"kcp-noconvert": "0", "mlm-chunkwise": "1", "kcp-convert": "1",
-                            "kcp-contiguous": "1"}.get(method),
-            "KCP_RELAY_GROUPS": "1" if method == "kcp-unpipelined" else None,
-            "KCP_STRATEGY": "gather" if method == "kcp-gather" else None}
+    return {**peer_conv, "FLA_FLASH_QLA": "0", "KCP_CONVERT": None, "KCP_RELAY_GROUPS": None, "KCP_STRATEGY": None,
+            **METHODS_DECLARED[method].env}
 
 
 def fla_cp_rule(model: str, device, smoke: bool):
@@ -255,14 +249,14 @@ def ops_level(c: Case, args):
         graph.replay()
         c.timed("ops", method, b.W, graph.replay, outs, [pick(r) for r in ref], note(c.plans[layout]))
 
-    def ours(p, *x):
-        return kcp.gated_delta_rule(*x, p, dist.group.WORLD, use_qk_l2norm=True, backend=args.backend)
+    def ours(p, *x, **options):
+        return kcp.gated_delta_rule(*x, p, dist.group.WORLD, use_qk_l2norm=True, backend=args.backend, **options)
 
     # what the dispatch reads of q, v and g: device, dtype, heads and head dims
     probe = [(x.rows_of("zigzag_per_doc") if isinstance(x, Sliced) else x)[:, :1] for x in (xs[0], xs[2], xs[3])]
 
-    def pick_note(p):
-        return dispatch.decide(p, *probe, args.backend).describe()
+    def pick_note(p, **options):
+        return dispatch.decide(p, *probe, args.backend, **options).describe()
     zpd = c.plans["zigzag_per_doc"]
     qla = s.model == "GDN" and b.cuda
     methods = {
@@ -290,8 +284,10 @@ def ops_level(c: Case, args):
         "kcp-ownstart-graph": lambda: under(perdoc.peer("kcp-ownstart"), graphed, "kcp-ownstart-graph",
                                             functools.partial(ours, zpd), "zigzag_per_doc",
                                             lambda p: f"{pick_note(p)}, captured in a CUDA graph and replayed"),
-        **{m: functools.partial(under, perdoc.peer(m), run, m, functools.partial(ours, zpd), "zigzag_per_doc",
-                                b.W, pick_note) for m in perdoc.BY_NAME},
+        **{m: functools.partial(under, perdoc.peer(m), run, m,
+                                functools.partial(ours, zpd, **METHODS_DECLARED[m].options), "zigzag_per_doc",
+                                b.W, functools.partial(pick_note, **METHODS_DECLARED[m].options))
+           for m in perdoc.BY_NAME},
     }
     for method in args.methods:
         if method not in QLA or qla:
@@ -515,7 +511,7 @@ def worker(rank, W, port, args, shapes):
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(0)
     solo = solo_pg()
-    write = perdoc.row_writer(args.csv) if rank == 0 else None
+    write = perdoc.row_writer(args.csv, "measured") if rank == 0 else None
     try:
         for s in shapes.values():
             for T in args.tokens:
@@ -534,9 +530,9 @@ def worker(rank, W, port, args, shapes):
         dist.destroy_process_group()
 
 
-def parse(argv=None):
+def parse(argv=None, prog=None):
     """(args, W, shapes) of a command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shapes", nargs="+", choices=list(perdoc.SHAPES), default=["qwen3-next", "kimi-linear"])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
@@ -573,10 +569,6 @@ def parse(argv=None):
     return args, W, shapes
 
 
-def main(argv=None):
-    args, W, shapes = parse(argv)
+def main(argv=None, prog=None):
+    args, W, shapes = parse(argv, prog)
     spawn(worker, W, args, shapes)
-
-
-if __name__ == "__main__":
-    main()

@@ -40,17 +40,16 @@ import sys
 import time
 import types
 from collections import defaultdict, deque
-from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import CONV, DOCS, cu_seqlens, fresh_leaves, problem  # noqa: E402
-from megatron_kcp.parallel import gather, relay  # noqa: E402
-from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index  # noqa: E402
+from benchmarks.catalogue import CONV, OP_DOCS as DOCS, cu_seqlens
+from benchmarks.common import fresh_leaves, problem
+from megatron_kcp.calibration import CALIBRATION
+from megatron_kcp.parallel import gather, relay
+from megatron_kcp.plan import LAYOUTS, build_plan, local_token_index
 
 COLUMNS = ("model", "tokens", "docs", "heads", "W", "layout", "strategy", "backend", "noCP_fwd_ms", "noCP_ms",
            "pred_fwd_ms", "pred_ms", "eff_fwd", "eff", "slow_rank", "busy_ms", "idle_ms", "sent_bytes", "note")
@@ -250,8 +249,8 @@ HEADER = (f"{'model':5s} {'tokens':>7s} {'docs':9s} {'H':>4s} {'W':>3s} {'layout
           "busy/idle(slowest)  MiB sent per rank")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--models", nargs="+", choices=["GDN", "KDA"], default=["GDN", "KDA"])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768])
@@ -270,8 +269,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--alpha-us", type=float, default=63.0, help="link latency per message (us)")
-    p.add_argument("--bw-gbs", type=float, default=326.0, help="link bandwidth (GB/s, 1e9 bytes)")
+    p.add_argument("--alpha-us", type=float, default=CALIBRATION.link.latency * 1e6,
+                   help="link latency per message (us; default: megatron_kcp.calibration's)")
+    p.add_argument("--bw-gbs", type=float, default=CALIBRATION.link.bandwidth / 1e9,
+                   help="link bandwidth (GB/s, 1e9 bytes; default: megatron_kcp.calibration's)")
     p.add_argument("--csv", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also print each rank's kernel table (torch.profiler, one step), ROWS kernels")
@@ -327,7 +328,3 @@ def run(args, dev) -> list[dict]:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -143,7 +143,7 @@ def test_varlen_flash_equals_per_piece_attention_on_gpu(heads, world_size):
     output and gradients of one ``scaled_dot_product_attention`` call a piece, to bf16 rounding;
     the control, each piece attending to its own rows only (not its document's earlier keys), misses
     by far more."""
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.layers import attention
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

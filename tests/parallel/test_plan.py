@@ -133,7 +133,7 @@ def test_strategy_model_against_the_predicted_steps(monkeypatch):
     import csv
     from pathlib import Path
 
-    from benchmarks.common import cu_seqlens
+    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.parallel.cost_model import choose
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     cases = {}
