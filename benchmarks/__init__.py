@@ -1,4 +1,4 @@
-"""CP benchmarks (run ``python benchmarks/bench_ops.py``; its docstring says what is measured).
+"""CP benchmarks (run ``python -m benchmarks run ops``; its docstring says what is measured).
 
 bench_ops.py   the command line: arguments, one process per rank, the op / layer / memory runs
 common.py      the problems (documents, inputs, errors), spawning and joining the ranks

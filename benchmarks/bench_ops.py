@@ -1,9 +1,9 @@
 """CP benchmark, op and layer level: KCP beside no CP, fla's own CP and megatron-core's cp2hp.
 
-    python benchmarks/bench_ops.py --cp 2 --tokens 32768 131072 262144 --heads 16 --csv ops.csv
-    python benchmarks/bench_ops.py --what layers --cp 2 --tokens 32768 --csv layers.csv
-    python benchmarks/bench_ops.py --smoke --what ops layers --csv /tmp/smoke.csv   # CPU, seconds
-    python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 --layouts contiguous zigzag
+    python -m benchmarks run ops --cp 2 --tokens 32768 131072 262144 --heads 16 --csv ops.csv
+    python -m benchmarks run ops --what layers --cp 2 --tokens 32768 --csv layers.csv
+    python -m benchmarks run ops --smoke --what ops layers --csv /tmp/smoke.csv   # CPU, seconds
+    python -m benchmarks run ops --memory-only --cp 4 --tokens 32768 --heads 16 --layouts contiguous zigzag
 
 Op level (``--what ops``): per model (GDN, KDA), total tokens T, documents (``single``: one
 sequence; ``varlen``: the 10-document cu_seqlens of VARLEN_32K, boundaries scaled by T / 32768;

@@ -7,8 +7,8 @@ and gradients from the Triton run's on the same inputs. Shapes: the mixers' conv
 conv of q, k and v together, 8192 channels at TP = 1 and 4096 at TP = 2; Kimi-Linear's three convs
 of 4096 channels each, counted as three calls).
 
-    python benchmarks/conv.py --tokens 32768 131072 --docs single varlen100 --csv conv.csv
-    python benchmarks/conv.py --smoke      # CPU, the reference conv: checks the script
+    python -m benchmarks run conv --tokens 32768 131072 --docs single varlen100 --csv conv.csv
+    python -m benchmarks run conv --smoke      # CPU, the reference conv: checks the script
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ from Megatron's per-document zigzag to the contiguous layout (``relayout.relayou
 forward + backward (the gradient moved back), the median over --iters of the slowest rank after
 --warmup calls. A mixer runs two such conversions a step (in and out).
 
-    CUDA_VISIBLE_DEVICES=0,1 python benchmarks/convert.py --tokens 32768 --width 2048 \\
+    CUDA_VISIBLE_DEVICES=0,1 python -m benchmarks run convert --tokens 32768 --width 2048 \\
         --docs varlen varlen100 varlen300 --csv convert.csv
-    python benchmarks/convert.py --smoke      # CPU, 2 gloo ranks, tiny: checks the script
+    python -m benchmarks run convert --smoke      # CPU, 2 gloo ranks, tiny: checks the script
 
 ``kept``: the share of a rank's rows that stay on it (the rank keeping the fewest); ``sent_mib``: what the
 rank sending the most puts on the link a move. ``--note`` tags the rows (e.g. the code that ran).

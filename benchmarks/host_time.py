@@ -1,7 +1,7 @@
 """Host time against kernel time of one rank's CP step on one GPU, and the step captured in a CUDA graph.
 
-    python benchmarks/host_time.py --shapes qwen3-next-tp2 qwen3-next h64-gdn kimi-linear --tokens 32768 131072
-    python benchmarks/host_time.py --smoke         # CPU, reference core, tiny sizes: checks the script
+    python -m benchmarks predict host-time --shapes qwen3-next-tp2 qwen3-next h64-gdn kimi-linear --tokens 32768 131072
+    python -m benchmarks predict host-time --smoke         # CPU, reference core, tiny sizes: checks the script
 
 Every rank of W in turn runs its fwd+bwd of ``kcp.gated_delta_rule`` on its shard of one sequence (or
 ``--docs``) with its exchange stubbed as in ``simulate.py`` (nothing moves). Per rank (CSV columns):

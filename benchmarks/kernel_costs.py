@@ -1,6 +1,6 @@
 """What each step of the local KCP core costs on one GPU: the numbers the strategy cost model uses.
 
-    python benchmarks/kernel_costs.py --tokens 16384 32768 --heads 64 --csv costs.csv
+    python -m benchmarks predict kernel-costs --tokens 16384 32768 --heads 64 --csv costs.csv
 
 Per model, tokens T, documents and heads: our fla core's steps over the whole stream (prepare: l2norm,
 gate cumsum and WY form; state pass; output; transition maps, fla's CP pre-process; backward state

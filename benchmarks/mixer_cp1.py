@@ -9,15 +9,15 @@ Needs one CUDA GPU, fla-core 0.6.0 and megatron-core 0.19.x (flash-qla 0.1.3 opt
 hands megatron-core's GDN call to it, unless ``FLA_FLASH_QLA=0``). ``--core fla`` pins our mixer's
 core to fla's kernels (default ``auto``, what a user gets).
 
-    python benchmarks/mixer_cp1.py --tokens 32768 --heads 16 --csv mixer_cp1.csv
-    python benchmarks/mixer_cp1.py --model kda --tokens 32768 --heads 32 --hidden 2304 --csv mixer_cp1.csv
+    python -m benchmarks run mixer-cp1 --tokens 32768 --heads 16 --csv mixer_cp1.csv
+    python -m benchmarks run mixer-cp1 --model kda --tokens 32768 --heads 32 --hidden 2304 --csv mixer_cp1.csv
 
 ``--layer`` times a whole Qwen3-Next-shaped hybrid layer instead (input norm, the mixer, MoE with
 ``--experts`` routed experts of ``--moe-ffn``, top ``--topk``, and a gated shared expert): the layer of
 ``gdn_hybrid_layer_spec`` beside the same layer with megatron-core's own ``GatedDeltaNet``
 (``cp2hp_gdn_hybrid_layer_spec``), everything else built by megatron-core's builders for the same config.
 
-    python benchmarks/mixer_cp1.py --layer --tokens 8192 --heads 32 --experts 512 --topk 10 --csv layer_cp1.csv
+    python -m benchmarks run mixer-cp1 --layer --tokens 8192 --heads 32 --experts 512 --topk 10 --csv layer_cp1.csv
 """
 from __future__ import annotations
 

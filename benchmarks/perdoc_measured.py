@@ -1,11 +1,11 @@
 """Packed documents and one long sequence on W GPUs, measured: op, mixer and hybrid-block level.
 
-    python benchmarks/perdoc_measured.py --shapes qwen3-next kimi-linear --tokens 32768 \\
+    python -m benchmarks run matrix --shapes qwen3-next kimi-linear --tokens 32768 \\
         --csv benchmarks/results/perdoc_h200x2.csv                 # W = every GPU, one rank each (NCCL)
-    python benchmarks/perdoc_measured.py --docs single --levels ops --shapes qwen3-next qwen3-next-tp2 h64-gdn \\
+    python -m benchmarks run matrix --docs single --levels ops --shapes qwen3-next qwen3-next-tp2 h64-gdn \\
         kimi-linear --tokens 32768 131072 --methods noCP noCP-qla cp2hp cp2hp-qla fla-cp kcp-unpipelined kcp \\
         --csv benchmarks/results/single_h200x2.csv
-    python benchmarks/perdoc_measured.py --smoke                    # CPU, 2 gloo ranks, tiny: checks the script
+    python -m benchmarks run matrix --smoke                    # CPU, 2 gloo ranks, tiny: checks the script
 
 The cases and methods of ``perdoc.py`` (which predicts them from one GPU), run for real: every rank on
 its own GPU, the collectives over NCCL, Megatron's per-document zigzag of a THD pack (``--docs``: one

@@ -1,8 +1,8 @@
 """Predicted CP step time of KCP on W GPUs from one GPU: each rank's local work timed alone, a modelled link.
 
-    python benchmarks/simulate.py --models GDN KDA --tokens 32768 --heads 64 --docs single varlen varlen100 \\
+    python -m benchmarks predict strategies --models GDN KDA --tokens 32768 --heads 64 --docs single varlen varlen100 \\
         --cp 2 4 --layouts contiguous zigzag zigzag_per_doc --strategies relay gather --backends fla qla --csv sim.csv
-    python benchmarks/simulate.py --smoke          # CPU, reference core, tiny sizes: checks the script
+    python -m benchmarks predict strategies --smoke          # CPU, reference core, tiny sizes: checks the script
 
 With one GPU, a CP=W step cannot be timed, but each rank's part of it can. For every rank in turn its
 KCP forward+backward (``kcp.gated_delta_rule`` on its shard, the --backends cores on CUDA: fla's,

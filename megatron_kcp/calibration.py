@@ -19,8 +19,8 @@ def measured(value, where: str):
 @dataclass(frozen=True)
 class Link:
     """The link between two CP ranks: ``latency`` s per message, ``bandwidth`` bytes / s."""
-    latency: float = measured(60e-6, "2 x H200 over NVLink: the measured collectives, fitted by benchmarks/"
-                                     "exchange_model.py --fit (benchmarks/reports/2026-12-02-runs-a-to-bx.md)")
+    latency: float = measured(60e-6, "2 x H200 over NVLink: fitted to the measured collectives "
+                                     "(benchmarks/reports/2026-12-02-runs-a-to-bx.md)")
     bandwidth: float = measured(332e9, "2 x H200 over NVLink, the same fit")
 
     def time(self, nbytes: float, messages: float = 1.0) -> float:

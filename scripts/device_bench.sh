@@ -61,7 +61,7 @@ stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
     echo "$name: skipped, ${hard}s left" | tee -a "$logs/summary.txt"; return
   fi
   local t0=$SECONDS
-  timeout -k 15 "$hard" python benchmarks/bench_ops.py --cp "$W" --budget "$soft" "$@" "${extra[@]}" \
+  timeout -k 15 "$hard" python -m benchmarks run ops --cp "$W" --budget "$soft" "$@" "${extra[@]}" \
     > "$logs/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s (soft ${soft}s, hard ${hard}s)" | tee -a "$logs/summary.txt"
 }
@@ -69,12 +69,11 @@ stage() {   # name, soft budget s, hard limit s, bench_ops.py args...
 predict() {  # hard limit s: simulate.py writes its CSV row by row, so a stopped run still reports
   local t0=$SECONDS smoke=()
   [[ " ${extra[*]:-} " == *" --smoke "* ]] && smoke=(--smoke --backends fla)  # the CPU check (reference core)
-  timeout -k 15 "$1" python benchmarks/simulate.py --models ${KCP_PREDICT_MODELS:-GDN KDA} \
+  timeout -k 15 "$1" python -m benchmarks predict strategies --models ${KCP_PREDICT_MODELS:-GDN KDA} \
     --tokens "${KCP_PREDICT_TOKENS:-262144}" --heads "$heads" --docs ${KCP_PREDICT_DOCS:-single varlen} \
     --cp ${KCP_PREDICT_W:-4 8 16 32 64} --backends ${KCP_PREDICT_BACKENDS:-fla qla} --alpha-us 60 --bw-gbs 332 \
     --iters 3 --warmup 1 ${smoke[@]+"${smoke[@]}"} --csv "$OUT/predict.csv" > "$logs/predict.log" 2>&1
   echo "predict: exit $? after $((SECONDS - t0)) s (hard ${1}s)" | tee -a "$logs/summary.txt"
-  [ -f "$OUT/predict.csv" ] && python benchmarks/plot.py "$OUT/predict.csv" -o "$OUT/predict.png" >> "$logs/predict.log" 2>&1
 }
 # shellcheck disable=SC2086  # word splitting of $tokens is intended
 run_stage() {  # name, stages after it: a share of what is left, 45 s kept for each stage after it
@@ -96,14 +95,6 @@ read -r -a stages <<<"${KCP_BENCH_STAGES:-large profile ops layers}"
 [ -z "$large_heads" ] && stages=("${stages[@]/large}")
 read -r -a stages <<<"${stages[*]}"
 for i in "${!stages[@]}"; do run_stage "${stages[$i]}" $((${#stages[@]} - i - 1)); done
-{
-  python benchmarks/exchange_model.py
-  echo
-  python benchmarks/exchange_model.py --model kda
-  for f in "$OUT"/ops*.csv; do [ -f "$f" ] && { echo; python benchmarks/exchange_model.py --check "$f"; }; done
-  # the link fitted to this run's measured collectives, and the table for W up to 1024 with it
-  compgen -G "$OUT/ops*.csv" >/dev/null && { echo; python benchmarks/exchange_model.py --check "$OUT"/ops*.csv --fit; }
-} > "$logs/exchange_model.txt" 2>&1
 
 save_cache
 # the logs travel as one archive
@@ -124,5 +115,4 @@ fi
 if log=$(tar -xzf "$OUT/logs.tar.gz" -O logs/profile.log 2>/dev/null); then
   echo; echo "== profile"; grep -v TileLang <<<"$log" | grep -E -v "^(USDT|\[rank|\[W)"
 fi
-echo; tar -xzf "$OUT/logs.tar.gz" -O logs/exchange_model.txt
 ls -la "$OUT"

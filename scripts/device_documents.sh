@@ -34,7 +34,7 @@ for s in "${stages[@]}"; do
          save_cache) ;;
       bench)
         (unset KCP_FAST_AUTOTUNE; source scripts/device_cache.sh
-         stage bench python benchmarks/perdoc.py --csv "$OUT/layouts.csv" --shapes qwen3-next kimi-linear \
+         stage bench python -m benchmarks predict matrix --csv "$OUT/layouts.csv" --shapes qwen3-next kimi-linear \
            --tokens 32768 131072 --docs varlen100 --cp 2 --levels ops mixer --methods noCP noCP-qla kcp \
            --layouts zigzag zigzag_per_doc contiguous
          save_cache) ;;

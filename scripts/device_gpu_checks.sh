@@ -82,7 +82,7 @@ suite() {   # name, pytest args...
   logged "$name" "$name.log" python -m pytest -q -s -rA -p no:cacheprovider "$@"
 }
 memory() {   # peak memory is per process: sharing the GPU does not change it
-  logged memory memory.txt python benchmarks/bench_ops.py --memory-only --cp 4 --tokens 32768 --heads 16 \
+  logged memory memory.txt python -m benchmarks run ops --memory-only --cp 4 --tokens 32768 --heads 16 \
     --layouts contiguous zigzag --warmup 1
 }
 pool() {   # name, then suite's pytest args (or nothing: the memory report): started once a slot is free

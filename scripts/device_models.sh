@@ -33,7 +33,7 @@ for s in "${stages[@]}"; do
          save_cache) ;;
       layer)
         (unset KCP_FAST_AUTOTUNE; source scripts/device_cache.sh
-         stage layer_cp1 python benchmarks/mixer_cp1.py --layer --tokens 32768 --heads 32 --experts 512 --topk 10 \
+         stage layer_cp1 python -m benchmarks run mixer-cp1 --layer --tokens 32768 --heads 32 --experts 512 --topk 10 \
            --moe-ffn 512 --iters 10 --warmup 3 --csv "$OUT/layer_cp1.csv"
          save_cache) ;;
       *) echo "unknown stage $s: train, convert or layer" >&2; exit 2 ;;
