@@ -1,9 +1,7 @@
 """The benchmark scripts on the CPU: bench_ops.py --smoke (rows, columns, CSV, bytes exchanged, outputs
 agreeing across methods), --memory-only (the device script's command parses, the CPU is refused with
-the reason, the table), --what profile, the exchange model (monotone in W, one case by hand, --check,
---fit), plot.py (ops and predictions), simulate.py (--smoke, and its event simulation on hand-made timelines),
-host_time.py (--smoke), convert.py (--smoke, bytes by hand), conv.py (--smoke) and boundary_cuts.py (cuts by
-hand)."""
+the reason, the table), --what profile, simulate.py (--smoke, and its event simulation on hand-made
+timelines), host_time.py (--smoke), convert.py (--smoke, bytes by hand) and conv.py (--smoke)."""
 from __future__ import annotations
 
 import csv
@@ -19,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_ops, memory
-from benchmarks import exchange_model as xm
 from benchmarks import simulate as sim
 from benchmarks.table import COLUMNS, Table
 
@@ -154,84 +151,6 @@ def test_smoke_kcp_parts_rows_split_our_op_and_compute_the_same_function(smoke):
     assert [(r["model"], r["docs"]) for r in rows] == [("GDN", "single"), ("GDN", "varlen")], rows
     for r in rows:
         assert r["note"].endswith("segments split into parts of 32 tokens") and float(r["err"]) < 1e-5, r
-
-
-def test_plot_from_csv(smoke, tmp_path):
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "ops.png"
-    run = subprocess.run([sys.executable, str(BENCH / "plot.py"), str(smoke[2]), "-o", str(png)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert png.stat().st_size > 10_000
-
-
-def test_plot_crossover_of_predictions():
-    """plot.py on a simulate.py CSV: each case's efficiencies per W and the first W where the all-gather leads."""
-    from benchmarks import plot
-
-    def row(W, strategy, eff, layout="zigzag", backend="fla"):
-        return dict(model="GDN", tokens="262144", docs="single", heads="16", W=str(W), layout=layout,
-                    strategy=strategy, backend=backend, eff=str(eff))
-    rows = [row(4, "relay", 0.8), row(4, "gather", 0.7), row(8, "relay", 0.5), row(8, "gather", 0.6),
-            row(16, "relay", 0.3), row(16, "gather", 0.5), row(4, "relay", 0.9, "contiguous"),
-            row(4, "gather", 0.8, "contiguous"), row(8, "relay", "", "contiguous"),
-            row(4, "relay", 0.95, backend="qla")]
-    contiguous, zigzag, qla = sorted(plot.crossover(rows))
-    assert zigzag.endswith("zigzag fla: eff relay/gather W=4: 0.80/0.70 W=8: 0.50/0.60 W=16: 0.30/0.50; "
-                           "all-gather ahead from W=8"), zigzag
-    assert contiguous.endswith("W=4: 0.90/0.80; all-gather ahead from none of these W"), contiguous
-    assert qla.endswith("zigzag qla: eff relay/gather W=4: 0.95/-; all-gather ahead from none of these W"), qla
-
-
-def test_exchange_model_by_hand():
-    link = xm.Link("NVLink", 10e-6, 150e9)
-    k = xm.kcp_cost(2, xm.Setup(heads=16, head_dim=128, slots=2, conv=1), link)
-    state = 2 * 16 * 128 * 256 * 4                      # 2 slots of 16 heads x 128 x (128 + 128) fp32
-    assert state == 4 * 2**20
-    assert k["recv"] == 2 * state                        # forward and backward, from the one other rank
-    assert k["t_ag"] == pytest.approx(2 * (10e-6 + state / 150e9))    # 2 x 37.96 us
-    c = xm.cp2hp_cost(2, xm.Setup(heads=16, head_dim=128, tokens=32768, model="gdn"), link)
-    shard = 16384 * 16                                   # T/W tokens x H heads on a rank
-    b_in, b_out = (2 * 128 + 128 + 1) * 2 + 4, 128 * 2   # [q|k|v|beta] bf16 + fp32 g; o bf16
-    assert c["recv"] == 2 * shard * (b_in + b_out) // 2  # forward and backward, half of each shard
-    assert c["t"] == pytest.approx(2 * ((10e-6 + shard * b_in / 2 / 150e9) + (10e-6 + shard * b_out / 2 / 150e9)))
-    assert xm.cp2hp_cost(32, xm.Setup(heads=16), link) is None        # 16 heads cannot go over 32 ranks
-
-
-def test_exchange_model_table_is_monotone_in_w(capsys):
-    xm.main([])
-    lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split() and ln.split()[0].isdigit()]
-    assert [int(ln[0]) for ln in lines] == [2**i for i in range(1, 11)]
-    kcp_mib, kcp_ms = [float(ln[2]) for ln in lines], [float(ln[5]) for ln in lines]
-    assert all(a < b for a, b in zip(kcp_mib, kcp_mib[1:])) and all(a < b for a, b in zip(kcp_ms, kcp_ms[1:]))
-    assert [ln[6] for ln in lines[4:]] == ["n/a"] * 6      # W > H = 16: cp2hp cannot split the heads
-
-
-def test_exchange_model_check_reads_the_benchmark_csv(smoke, capsys):
-    xm.main(["--check", str(smoke[2])])
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if " single " in ln]
-    assert len(rows) == 2 * 2 * 3                        # GDN, KDA x fwd, fwd+bwd x cp2hp, kcp x 2 layouts
-    for r in rows:
-        assert r[9] == r[10], r                          # measured bytes = the model's formula
-
-
-def test_exchange_model_fit_recovers_the_link(tmp_path, capsys):
-    """--fit on rows timed by a known link (alpha 50 us, 300 GB/s) gives that link back."""
-    path = tmp_path / "ops.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        w.writeheader()
-        for calls, mib in ((1, 2), (2, 8), (2, 257.5), (4, 1030)):
-            ms = (calls * 50e-6 + mib * 2**20 / 300e9) * 1e3
-            w.writerow(dict(level="ops", model="GDN", method="kcp-gather", layout="zigzag", W=2, heads=16, tokens=32768,
-                            docs="single", head_dim=128, dtype="bfloat16", xchg_calls=calls, xchg_bytes=mib * 2**20,
-                            exchange_ms=ms, **{"pass": "fwd"}))
-    link = xm.fit_link(xm.measured_rows([str(path)]))
-    assert link.alpha == pytest.approx(50e-6) and link.bw == pytest.approx(300e9)
-    xm.main(["--check", str(path), "--fit"])
-    out = capsys.readouterr().out
-    assert "alpha=50 us, bw=300 GB/s" in out and "KCP exchange vs cp2hp" in out
-    assert all(float(ln.split()[-1]) == pytest.approx(1.0) for ln in out.splitlines() if " kcp-gather " in ln)
 
 
 @pytest.mark.slow
@@ -554,17 +473,6 @@ def test_host_time_peer_refuses_the_cpu_smoke():
     run = subprocess.run([sys.executable, str(BENCH / "host_time.py"), "--smoke", "--peer"], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 2 and "drop --peer with --smoke" in run.stderr, run.stderr[-2000:]
-
-
-def test_boundary_cuts_move_each_cut_to_the_nearest_document_edge(capsys):
-    """boundary_cuts.py: cuts by hand; no document crosses after the move, and its table prints."""
-    from benchmarks import boundary_cuts as bc
-    cu = (0, 10, 30, 70, 100, 128)                     # T = 128; contiguous cuts at 32, 64, 96
-    assert bc.boundary_cuts(cu, 4) == [30, 70, 100]
-    r = bc.row("varlen100", 32768, 2, 16, 128)
-    assert r["exchange_ms"] > 0 and 0 <= r["imbalance"] < 0.1, r
-    bc.main(["--tokens", "32768", "--docs", "varlen", "--cp", "2"])
-    assert "| varlen | 32768 | 2 |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
