@@ -60,9 +60,13 @@ def _start_method() -> str:
 
 
 def _worker(rank, world_size, port, tp, pp, fn, args, errors, env=None):
-    if env is not None:             # a forked rank has the server's environment: take the caller's
+    if env is not None:             # a forked rank has the server's environment and output: take the caller's
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update({k: v for k, v in env.items() if k != "_KCP_CALLER_PID"})
+        for fd in (1, 2):           # the caller's stdout and stderr (pytest's capture files among them), appended to
+            out = os.open(f"/proc/{env['_KCP_CALLER_PID']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            os.dup2(out, fd)
+            os.close(out)
     if os.environ.get("KCP_RANK_TIMEOUT"):      # dump every thread's stack if a rank stalls
         faulthandler.dump_traceback_later(float(os.environ["KCP_RANK_TIMEOUT"]), exit=True)
     if os.environ.get("KCP_FAST_AUTOTUNE"):
@@ -102,7 +106,8 @@ def spawn(fn, world_size: int, *args, tp: int = 1, pp: int = 1):
     method = _start_method()
     errors = mp.get_context(method).SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors, dict(os.environ)),
+        env = {**os.environ, "_KCP_CALLER_PID": str(os.getpid())} if method == "forkserver" else None
+        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors, env),
                            nprocs=world_size, join=True, start_method=method)
     except mp.ProcessRaisedException:
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
