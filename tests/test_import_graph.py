@@ -18,6 +18,7 @@ LEVELS = (
     ("megatron_kcp.environment", 0), ("megatron_kcp.plan", 0), ("megatron_kcp.calibration", 0),
     ("megatron_kcp.spec_names", 0), ("megatron_kcp.megatron_cpu", 0), ("megatron_kcp.wheel", 0),
     ("megatron_kcp.sizes", 0), ("megatron_kcp.data", 0), ("megatron_kcp.options", 0), ("megatron_kcp.problem", 0),
+    ("megatron_kcp.registry", 0),
     ("megatron_kcp", 6),              # the package root: the facade that resolves `--spec megatron_kcp NAME`
 )
 

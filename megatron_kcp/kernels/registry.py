@@ -15,6 +15,7 @@ import torch
 
 from megatron_kcp.kernels.core import LocalCore
 from megatron_kcp.problem import Problem
+from megatron_kcp.registry import Registry
 
 
 def _always(problem: Problem) -> bool:
@@ -62,24 +63,13 @@ class CoreEntry:
     saves: float = 0.0
 
 
-CORES: dict[str, CoreEntry] = {}
-
-
-def register(entry: CoreEntry) -> CoreEntry:
-    """Add a core (its name must be new)."""
-    if entry.name in CORES or entry.name == "auto":
-        raise ValueError(f"a local core named {entry.name!r} is registered already")
-    CORES[entry.name] = entry
-    return entry
-
-
-def unregister(name: str) -> None:
-    CORES.pop(name)
+CORES: Registry[CoreEntry] = Registry("a local core", reserved=("auto",))
+register, unregister = CORES.register, CORES.unregister
 
 
 def by_priority() -> list[CoreEntry]:
     """The cores in ``backend="auto"``'s order."""
-    return sorted(CORES.values(), key=lambda c: -c.priority)
+    return sorted(CORES, key=lambda c: -c.priority)
 
 
 def first_running(problem: Problem) -> CoreEntry:
