@@ -3,8 +3,8 @@
 A method is the default (``kcp``) or a peer, with its ablation declared, never a patch of a library's
 internals where the library takes an option: ``options`` go to ``megatron_kcp.ops.kcp.gated_delta_rule``
 (``strategy=``, ``backend=``, ``max_segment=``), ``env`` to the process (the documented ``KCP_*`` and
-``FLA_*`` overrides, read at each call), ``exchange`` swaps an entry of the dispatch's strategy table
-(``dispatch.STRATEGIES``, looked up at each call) for a benchmark's subclass. ``patch`` is the one
+``FLA_*`` overrides, read at each call), ``exchange`` swaps an entry of the exchange registry
+(``EXCHANGES.swapped``: the op looks its strategy up at each call) for a benchmark's subclass. ``patch`` is the one
 ablation no option reaches: the all-gather's fold run as PyTorch's loop (``gather.fold_reference``).
 
     METHODS.register(Method("kcp-whole", "ours", "the default with no segment split", options={"max_segment": 0}))
@@ -50,9 +50,9 @@ class Method:
     def applied(self):
         """The method's environment, exchange and patch in place; yields its op options."""
         from benchmarks.common import env
-        from megatron_kcp.ops import dispatch
-        swaps = {k: cls() for k, cls in self.exchange.items()}
-        with env(**self.env), mock.patch.dict(dispatch.STRATEGIES, swaps), \
+        from megatron_kcp.parallel.exchanges import EXCHANGES
+        swaps = [cls() for cls in self.exchange.values()]
+        with env(**self.env), EXCHANGES.swapped(*swaps), \
                 (self.patch() if self.patch else contextlib.nullcontext()):
             yield dict(self.options)
 

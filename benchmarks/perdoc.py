@@ -418,10 +418,10 @@ def case(shape_name: str, s: Shape, T: int, docs: str, W: int, args, dev, dtype,
             rows["kcp-noconvert"] = (rest + layers * core["kcp-noconvert"][0], W, core["kcp-noconvert"][2])
         # what the default runs: the mixers' rule (layers/layout.py) with a run of ``layers``
         from megatron_kcp.layers.layout import run_traffic
-        from megatron_kcp.parallel.cost_model import convert_pays
+        from megatron_kcp.parallel.cost_model import relayout_pays
         if "kcp" not in want:
             pass
-        elif convert_pays(cu, layout, W, s.HV, s.K, *run_traffic(s.hidden * e, layers)) and "kcp-contiguous" in core:
+        elif relayout_pays(cu, layout, W, s.HV, s.K, *run_traffic(s.hidden * e, layers)) and "kcp-contiguous" in core:
             rows["kcp"] = (rest + layers * core["kcp-contiguous"][0] + conv_run, W,
                            f"hidden states in the contiguous layout ({core['kcp-contiguous'][2]})")
         elif "kcp-op" in core:

@@ -38,7 +38,6 @@ from megatron_kcp.problem import Problem
 
 BACKENDS = ("auto", "reference", "fla", "qla")
 STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert", "fla-cp")
-STRATEGIES = EXCHANGES        # the name benchmarks/methods.py swaps entries of
 
 
 @dataclass(frozen=True)

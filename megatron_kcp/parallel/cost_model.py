@@ -144,9 +144,6 @@ def relayout_pays(cu_seqlens: tuple[int, ...], layout: str, world_size: int, hea
                         core_saves) < 0
 
 
-convert_pays = relayout_pays      # the name benchmarks/perdoc.py reads
-
-
 def core_saving(stay: str, moved: str, local_tokens: int, heads: int, head_dim: int) -> float:
     """Seconds a step (fwd+bwd) saves by running core ``moved`` (``fla`` | ``qla`` | ...) on a rank's
     ``local_tokens`` instead of core ``stay``: the difference of the cores' ``saves`` (a token and value head,

@@ -4,7 +4,7 @@ On Megatron's per-document zigzag every document is a chain over all ranks; in t
 layout at most W - 1 documents cross a rank edge, so the exchange inside (relay or all-gather,
 ``inner``) moves a few states instead of one per document and direction. The price is two
 all-to-alls of the op's inputs and output each way (:mod:`megatron_kcp.parallel.relayout`), which
-:func:`megatron_kcp.parallel.cost_model.convert_pays` weighs. The mixers convert their hidden states
+:func:`megatron_kcp.parallel.cost_model.relayout_pays` weighs. The mixers convert their hidden states
 instead (d_model per token, about a sixth of q, k, v, g and beta), and a run of linear layers only
 at its edges (:mod:`megatron_kcp.layers.layout`); this strategy is the op's own, for a caller that
 hands it the per-document layout.

@@ -2,19 +2,21 @@
 equivalence tests of the ops (CPU and GPU) share."""
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from megatron_kcp.ops import dispatch, kcp
+from megatron_kcp.ops import kcp
 from megatron_kcp.kernels import reference as R
 from megatron_kcp.parallel import halo, relayout
+from megatron_kcp.parallel.exchanges import EXCHANGES
 from megatron_kcp.parallel.strategy import StateExchange
 from megatron_kcp.testing.cases import plan_for, shard
 from megatron_kcp.testing.distributed import rel_err
 
-STRATEGIES = ("relay", "gather")
+TESTED_STRATEGIES = ("relay", "gather")
 TOL = 1e-5
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
@@ -105,14 +107,11 @@ def _off(original):
 def exchange_off(*names: str, conv_halo: bool = True):
     """Swap in NoExchange for the strategies ``names`` (default ``relay``) and, with ``conv_halo``, a
     zero conv halo; restored by the returned callable."""
-    saved = {n: dispatch.STRATEGIES[n] for n in names or ("relay",)}
-    restore_halo = halo_off() if conv_halo else (lambda: None)
-    dispatch.STRATEGIES.update({n: _off(s) for n, s in saved.items()})
-
-    def restore():
-        dispatch.STRATEGIES.update(saved)
-        restore_halo()
-    return restore
+    swaps = contextlib.ExitStack()
+    swaps.enter_context(EXCHANGES.swapped(*(_off(EXCHANGES[n]) for n in names or ("relay",))))
+    if conv_halo:
+        swaps.callback(halo_off())
+    return swaps.close
 
 
 def halo_off():

@@ -187,9 +187,10 @@ def exchange_controls(run, want, tol: float) -> dict:
     Returns those errors (``y state off``, ``y halo off``)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_kcp.testing.checks import STRATEGIES, exchange_off, halo_off
+    from megatron_kcp.testing.checks import TESTED_STRATEGIES, exchange_off, halo_off
     errs = {}
-    for what, switch in (("state", lambda: exchange_off(*STRATEGIES, conv_halo=False)), ("halo", halo_off)):
+    for what, switch in (("state", lambda: exchange_off(*TESTED_STRATEGIES, conv_halo=False)),
+                         ("halo", halo_off)):
         restore = switch()
         try:
             with torch.no_grad():

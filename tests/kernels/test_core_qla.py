@@ -240,8 +240,9 @@ def _start_passes():
     through the maps pass and without; the results must agree."""
     from unittest import mock
 
-    from megatron_kcp.ops import dispatch, kcp
+    from megatron_kcp.ops import kcp
     from megatron_kcp.kernels.core_qla import GDNQLACore
+    from megatron_kcp.parallel.exchanges import EXCHANGES
     from megatron_kcp.parallel.gather import AllGather
     from megatron_kcp.testing import qla_contracts
     from megatron_kcp.testing.cases import plan_for, shard
@@ -256,8 +257,8 @@ def _start_passes():
     plan = plan_for(cu, "contiguous", 2, dist.get_rank(group))
     runs = {}
     for ride in (True, False):
-        swap = {} if ride else {"gather": OwnStarts()}
-        with mock.patch.dict(dispatch.STRATEGIES, swap), \
+        swap = () if ride else (OwnStarts(),)
+        with EXCHANGES.swapped(*swap), \
                 mock.patch.object(GDNQLACore, "state", autospec=True, side_effect=GDNQLACore.state) as spy:
             o = kcp.gated_delta_rule(*shard(plan, *xs), plan, group, use_qk_l2norm=True, backend="qla",
                                      strategy="gather", max_segment=64)

@@ -11,8 +11,8 @@ from megatron_kcp.ops import kcp
 from megatron_kcp.plan import LAYOUTS
 from megatron_kcp.testing.cases import (long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens,
                                         random_inputs, shard)
-from megatron_kcp.testing.checks import (STRATEGIES, TOL, compare_with_oracle, conv_errors, cp_group,
-                                         exchange_off)
+from megatron_kcp.testing.checks import (TESTED_STRATEGIES, TOL, compare_with_oracle, conv_errors,
+                                         cp_group, exchange_off)
 from megatron_kcp.testing.distributed import spawn
 
 KINDS = ("random", "single", "edges", "tiny")
@@ -27,7 +27,7 @@ def _random_cases(layout, seeds):
                 gen = torch.Generator().manual_seed(seed)
                 cu = random_cu_seqlens(gen, layout, W, kind)
                 xs = random_inputs(gen, cu[-1], len(cu) - 1, 2, 4 if seed % 3 == 0 else 2, 8, 6, kda)
-                for strategy in STRATEGIES:
+                for strategy in TESTED_STRATEGIES:
                     errs = compare_with_oracle(cu, xs[:5], xs[5], layout, strategy, seed % 2 == 0, group, seed)
                     bad = {k: v for k, v in errs.items() if not v <= TOL}
                     assert not bad, f"{layout} {kind} {strategy} seed={seed} kda={kda} cu={cu}: {bad}"
@@ -55,7 +55,7 @@ def _long_memory(cases, piece=None):
         # per-document zigzag puts every document on every rank: fewer of them still makes over 50 a rank
         cu = long_memory_cu(gen, W, piece=piece or (48 if layout == "zigzag_per_doc" else 140))
         xs = long_memory_inputs(gen, cu, 2, 2, 16, 8, kda)
-        for strategy in STRATEGIES:
+        for strategy in TESTED_STRATEGIES:
             errs = compare_with_oracle(cu, xs, None, layout, strategy, True, group, seed=W)
             bad = {k: v for k, v in errs.items() if not v <= TOL}
             assert not bad, f"{layout} W={W} {strategy} kda={kda}: {bad}"

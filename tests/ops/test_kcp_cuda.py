@@ -24,7 +24,7 @@ from megatron_kcp.ops import dispatch, kcp
 from megatron_kcp.plan import LAYOUTS, build_plan
 from megatron_kcp.testing.distributed import rel_err, spawn
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, random_cu_seqlens, random_inputs, shard
-from megatron_kcp.testing.checks import STRATEGIES, exchange_off
+from megatron_kcp.testing.checks import TESTED_STRATEGIES, exchange_off
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 BACKEND = os.environ.get("KCP_GPU_BACKEND", "fla")
@@ -411,7 +411,7 @@ def _cp_vs_single(layouts, dtype_names, out_dir):
                        f"nseq={len(cu) - 1:3d} {backend}")
                 # and cp2hp (all-to-all to head shards, the core's single-device call: fla's, or flash-qla's
                 # own), where the heads split over the ranks
-                strategies = ("relay", "auto", "split") if backend == "qla" else STRATEGIES
+                strategies = ("relay", "auto", "split") if backend == "qla" else TESTED_STRATEGIES
                 strategies += ("convert",) if layout != "contiguous" else ()     # to contiguous and back
                 strategies += ("fla-cp",) if layout == "contiguous" and backend == "fla" else ()   # fla's own CP
                 for strategy in strategies + (("cp2hp",) if H == HV and H % W == 0 else ()):
@@ -585,7 +585,7 @@ def _host_syncs(layouts, out_dir):
             loc = shard(plan, *xs, do, conv[0], conv[2])
             local_conv = [loc[6], conv[1], loc[7]]
             backend = _backend(kda, torch.bfloat16)
-            for strategy in ("relay", "auto") if backend == "qla" else STRATEGIES:
+            for strategy in ("relay", "auto") if backend == "qla" else TESTED_STRATEGIES:
                 _run(plan, group, loc[:5], loc[5], strategy, local_conv, backend)
                 torch.cuda.synchronize()
                 with warnings.catch_warnings(record=True) as caught:
