@@ -16,6 +16,7 @@ from megatron_kcp.testing.distributed import on_rank0_for_all, rel_err, spawn
 from megatron_kcp.testing.layers import CPU, GPU, GPU_BF16, LONG_MEMORY_A_LOG, build, config, exchange_controls, solo_pg
 from megatron_kcp.testing.cases import docs_cu, raw_docs_cu
 from megatron_kcp.testing.checks import rolled_by_one_document
+from tests.fixtures import frozen
 
 TOL = 1e-5
 
@@ -268,7 +269,7 @@ def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
 
 
 def test_conversion_model_against_the_measured_steps(monkeypatch):
-    """Whether to convert, against what was measured on 2 and 4 GPUs (benchmarks/results/perdoc_h200x2.csv,
+    """Whether to convert, against what was measured on 2 and 4 GPUs (tests/fixtures/perdoc_h200x2.csv,
     perdoc_h200x4.csv, and the op's head-shard default: perdoc_heads_h200x{2,4}.csv, and since its packing
     perdoc_heads_pack_h200x2.csv, whose head-shard rows replace the older ones; on 4 x H100,
     perdoc_heads_pack_h100x4.csv, its rows compared only with each other; the GDN mixer at 10 documents,
@@ -282,11 +283,6 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     ``cp2hp`` for KDA), and the faster of all three steps is the yardstick. 10%: the spread of one case
     between runs on two hosts of one kind (benchmarks/reports/, packed documents, run to run), where the steps
     are close; a wrong pick where they are not loses 1.2x to 3x."""
-    import csv
-    from pathlib import Path
-
-    from benchmarks.catalogue import cu_seqlens
-    from benchmarks.catalogue import SHAPES
     from megatron_kcp.layers.layout import run_traffic
     from megatron_kcp.ops import dispatch
     from megatron_kcp.parallel.cost_model import relayout_pays
@@ -295,28 +291,26 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     monkeypatch.setattr(environment, "qla_runs", lambda device, dtype, kda, head_dims: not kda)
     steps = {}
-    results = Path(__file__).parents[2] / "benchmarks" / "results"
     files = [(gpu, W, f"perdoc{run}_{gpu}x{W}.csv") for gpu in ("h200", "h100") for W in (2, 4)
              for run in ("", "_heads", "_heads_pack", "_stay_or_convert")]
-    for gpu, W, name in [f for f in files if (results / f[2]).exists()]:
-        with open(results / name, newline="") as f:
-            for r in csv.DictReader(f):
-                if not r["ms"] or r["level"] == "-":
-                    continue
-                converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
-                key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W, gpu)
-                if r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted:
-                    steps.setdefault(key, {})[converted] = float(r["ms"])
-                if r["level"] == "ops" and (r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla") or
-                                            r["method"] == "kcp" and r["note"].startswith("strategy cp2hp")):
-                    steps.setdefault(key, {})["heads"] = float(r["ms"])
-    shape = {s.model: s for name, s in SHAPES.items() if name in ("qwen3-next", "kimi-linear")}
+    for gpu, W, name in files:
+        for r in frozen.rows(name):
+            if not r["ms"] or r["level"] == "-":
+                continue
+            converted = "in the contiguous layout" in r["note"] or r["note"].startswith("contiguous")
+            key = (r["level"], r["model"], r["docs"], int(r["tokens"]), W, gpu)
+            if r["method"] in ("kcp-noconvert", "kcp-convert") or r["method"] == "kcp" and converted:
+                steps.setdefault(key, {})[converted] = float(r["ms"])
+            if r["level"] == "ops" and (r["method"] == ("cp2hp" if r["model"] == "KDA" else "cp2hp-qla") or
+                                        r["method"] == "kcp" and r["note"].startswith("strategy cp2hp")):
+                steps.setdefault(key, {})["heads"] = float(r["ms"])
+    shape = {s.model: s for s in frozen.SHAPES.values()}
     picks = []
     dispatch.decide_problem.cache_clear()
     for (level, model, docs, T, W, gpu), ms in steps.items():
         if len([m for m in ms if m != "heads"]) < 2:
             continue
-        s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], cu_seqlens(docs, T, pad=2 * W)
+        s, run, cu = shape[model], {"ops": None, "mixer": 1, "block": 3}[level], frozen.cu_seqlens(docs, T, pad=2 * W)
         if run is None:
             d = dispatch.decide_problem(Problem(all_plans(cu, "zigzag_per_doc", W)[0], torch.device("cuda"),
                                                 torch.bfloat16, model == "KDA", (s.K, s.K), s.HV, s.H, peer_calls=True))
@@ -334,35 +328,29 @@ def test_conversion_model_against_the_measured_steps(monkeypatch):
 
 def test_mixer_pick_where_every_process_agrees(monkeypatch):
     """The GDN mixer at 10 documents, 32k and 128k, three processes each
-    (benchmarks/results/perdoc_stay_or_convert_h200x2.csv): where every process has the same layout faster
+    (tests/fixtures/perdoc_stay_or_convert_h200x2.csv): where every process has the same layout faster
     by more than 2%, converting or staying on Megatron's layout, the cost model picks it (128k: convert);
     where the processes disagree (32k) either pick stands. Tighter than the 10% of
     :func:`test_conversion_model_against_the_measured_steps`, whose 10% lets this row through where a
     state pass priced down to the heads and flash-qla's core keeps the 128k pack on Megatron's layout,
     slower there in every process."""
-    import csv
     import re
-    from pathlib import Path
 
-    from benchmarks.catalogue import cu_seqlens
-    from benchmarks.catalogue import SHAPES
     from megatron_kcp.layers.layout import run_traffic
     from megatron_kcp.parallel.cost_model import relayout_pays
     monkeypatch.delenv("KCP_CONVERT", raising=False)
     ms = {}
-    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_stay_or_convert_h200x2.csv",
-              newline="") as f:
-        for r in csv.DictReader(f):
-            if r["method"] in ("kcp", "kcp-noconvert"):
-                process = re.search(r"process (\w)", r["note"]).group(1)
-                ms.setdefault(int(r["tokens"]), {}).setdefault(process, {})[r["method"] == "kcp"] = float(r["ms"])
-    s, checked = SHAPES["qwen3-next"], 0
+    for r in frozen.rows("perdoc_stay_or_convert_h200x2.csv"):
+        if r["method"] in ("kcp", "kcp-noconvert"):
+            process = re.search(r"process (\w)", r["note"]).group(1)
+            ms.setdefault(int(r["tokens"]), {}).setdefault(process, {})[r["method"] == "kcp"] = float(r["ms"])
+    s, checked = frozen.SHAPES["qwen3-next"], 0
     for T, runs in ms.items():
         gains = [m[False] / m[True] - 1 for m in runs.values()]      # staying over converting, per process
         assert len(gains) == 3, (T, runs)
         if min(gains) > 0.02 or max(gains) < -0.02:
             faster = min(gains) > 0
-            assert relayout_pays(cu_seqlens("varlen", T, pad=4), "zigzag_per_doc", 2, s.HV, s.K,
+            assert relayout_pays(frozen.cu_seqlens("varlen", T, pad=4), "zigzag_per_doc", 2, s.HV, s.K,
                                  *run_traffic(s.hidden * 2, 1)) == faster, (T, gains)
             checked += 1
     assert checked == 1, ms
@@ -370,21 +358,16 @@ def test_mixer_pick_where_every_process_agrees(monkeypatch):
 
 def test_head_shard_price_fits_the_measured_rows():
     """``cost_model.HEADS_RELAYOUT_BW`` is the least-squares bandwidth of the op's move to head shards on the
-    measured KDA rows since its packing (benchmarks/results/perdoc_heads_pack_h200x2.csv, W = 2, 10, 100
+    measured KDA rows since its packing (tests/fixtures/perdoc_heads_pack_h200x2.csv, W = 2, 10, 100
     and 300 documents): the head-shard step (``cp2hp``) less fla's one-GPU call on the pack over W (the
     same call at HV / W heads) less the all-to-alls' latency, against the bytes a rank sends. On that
     price the op moves to head shards at 100 documents and stays at 10, as the rows say it should."""
-    import csv
-    from pathlib import Path
-
-    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops.dispatch import op_bytes_per_token
     from megatron_kcp.parallel import cost_model
     ms = {}
-    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_heads_pack_h200x2.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            if r["level"] == "ops" and r["model"] == "KDA":
-                ms.setdefault((r["docs"], int(r["tokens"])), {})[r["method"]] = float(r["ms"]) * 1e-3
+    for r in frozen.rows("perdoc_heads_pack_h200x2.csv"):
+        if r["level"] == "ops" and r["model"] == "KDA":
+            ms.setdefault((r["docs"], int(r["tokens"])), {})[r["method"]] = float(r["ms"]) * 1e-3
     assert len(ms) >= 3, sorted(ms)
     op = op_bytes_per_token(32, 32, (128, 128), True, torch.bfloat16)
     num = den = 0.0
@@ -394,7 +377,7 @@ def test_head_shard_price_fits_the_measured_rows():
         den += sent * (m["cp2hp"] - m["noCP"] / 2 - 4 * cost_model.ALPHA)
     assert abs(cost_model.HEADS_RELAYOUT_BW / (num / den) - 1) < 0.05, (num / den, cost_model.HEADS_RELAYOUT_BW)
     for docs, moves in (("varlen100", True), ("varlen", False)):
-        cu = cu_seqlens(docs, 32768, pad=4)
+        cu = frozen.cu_seqlens(docs, 32768, pad=4)
         assert cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, target="heads") == moves, docs
         assert (ms[(docs, 32768)]["cp2hp"] < ms[(docs, 32768)]["kcp"]) == moves, (docs, ms[(docs, 32768)])
 
@@ -405,7 +388,6 @@ def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
     on head shards against 8.97, benchmarks/reports/); the op weighs it at its own price only where no document
     is longer than a rank's share, so there it keeps its split step. 100 documents (Kimi-Linear, W = 2)
     move."""
-    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops import dispatch
     from megatron_kcp.parallel.cost_model import relayout_pays
     from megatron_kcp.plan import all_plans
@@ -415,14 +397,14 @@ def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
 
     def pick(docs, T, W, kda):
         heads = (32, 32) if kda else (16, 32)
-        plan = all_plans(cu_seqlens(docs, T, pad=2 * W), "zigzag_per_doc", W)[0]
+        plan = all_plans(frozen.cu_seqlens(docs, T, pad=2 * W), "zigzag_per_doc", W)[0]
         return dispatch.decide_problem(Problem(plan, torch.device("cuda"), torch.bfloat16, kda, (128, 128), heads[1],
                                                heads[0], peer_calls=True))
     dispatch.decide_problem.cache_clear()
     try:
         op = dispatch.op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
         for T, W in ((32768, 4), (131072, 4), (131072, 8), (1048576, 8)):
-            assert relayout_pays(cu_seqlens("single", T, pad=2 * W), "zigzag_per_doc", W, 32, 128, op, 4,
+            assert relayout_pays(frozen.cu_seqlens("single", T, pad=2 * W), "zigzag_per_doc", W, 32, 128, op, 4,
                                  target="heads"), (T, W)
             assert pick("single", T, W, kda=False).strategy == "gather", (T, W)
         assert pick("varlen100", 32768, 2, kda=True).strategy == "cp2hp"
@@ -432,26 +414,21 @@ def test_one_long_sequence_keeps_off_head_shards(monkeypatch):
 
 def test_cut_price_fits_the_measured_rows():
     """``cost_model.HOP`` + ``HOP_HEAD`` at 32 heads is the least-squares price of a cut on the measured KDA
-    op rows (benchmarks/results/perdoc_h200x2.csv, W = 2, 32k and 128k tokens, 100 and 300 documents):
+    op rows (tests/fixtures/perdoc_h200x2.csv, W = 2, 32k and 128k tokens, 100 and 300 documents):
     our step left on Megatron's layout less ours on the same documents laid out contiguously (the
     converted step less the conversion, i.e. Megatron-LM dev's scheme less fla's CP call; fla's CP call
     where ours did not convert), less the modelled exchange, over the cuts. Both sides run fla's
     kernels, so the difference is the layout's."""
-    import csv
-    from pathlib import Path
-
-    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.parallel import cost_model
     ms = {}
-    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_h200x2.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            if r["level"] == "ops" and r["model"] == "KDA" and r["docs"] in ("varlen100", "varlen300") and r["ms"]:
-                method = r["method"] + ("+converted" if "in the contiguous layout" in r["note"] else "")
-                ms.setdefault((r["docs"], int(r["tokens"])), {})[method] = float(r["ms"])
+    for r in frozen.rows("perdoc_h200x2.csv"):
+        if r["level"] == "ops" and r["model"] == "KDA" and r["docs"] in ("varlen100", "varlen300") and r["ms"]:
+            method = r["method"] + ("+converted" if "in the contiguous layout" in r["note"] else "")
+            ms.setdefault((r["docs"], int(r["tokens"])), {})[method] = float(r["ms"])
     assert {T for _, T in ms} == {32768, 131072} and len(ms) == 4, sorted(ms)
     num = den = 0.0
     for (docs, T), m in ms.items():
-        cu = cu_seqlens(docs, T, pad=4)
+        cu = frozen.cu_seqlens(docs, T, pad=4)
         contiguous = (m["kcp+converted"] - (m["mlm-chunkwise"] - m["fla-cp"]) if "kcp+converted" in m
                       else m["fla-cp"])
         cuts = cost_model.cuts(cu, "zigzag_per_doc", 2)
@@ -464,31 +441,27 @@ def test_cut_price_fits_the_measured_rows():
 
 def test_core_price_fits_the_measured_rows():
     """``cost_model.QLA_SAVES`` is the least-squares saving of flash-qla's GDN core against fla's, per token
-    and value head, on the measured one-GPU rows (benchmarks/results/perdoc_h200x2.csv: fla's call and
+    and value head, on the measured one-GPU rows (tests/fixtures/perdoc_h200x2.csv: fla's call and
     flash-qla's on the same packed documents, 10 to 300 documents, 32k and 128k tokens, 32 value heads),
     and the conversion that pays only through it (the GDN op at 128k and 100 documents, measured faster
     converted to flash-qla's kernels than left on fla's: ``kcp-convert`` in the CSV) is taken on that
     price."""
-    import csv
-    from pathlib import Path
-
-    from benchmarks.catalogue import cu_seqlens
     from megatron_kcp.ops.dispatch import op_bytes_per_token
     from megatron_kcp.parallel import cost_model
     num = den = 0.0
     ms = {}
-    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "perdoc_h200x2.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            if r["level"] == "ops" and r["model"] == "GDN" and r["W"] == "1" and r["docs"].startswith("varlen"):
-                ms.setdefault((r["docs"], int(r["tokens"]), int(r["heads"])), {})[r["method"]] = float(r["ms"]) * 1e-3
-            elif r["level"] == "ops" and r["model"] == "GDN" and r["W"] == "2" and r["method"] == "kcp-convert":
-                assert (r["docs"], r["tokens"]) == ("varlen100", "131072"), r
+    for r in frozen.rows("perdoc_h200x2.csv"):
+        if r["level"] == "ops" and r["model"] == "GDN" and r["W"] == "1" and r["docs"].startswith("varlen"):
+            ms.setdefault((r["docs"], int(r["tokens"]), int(r["heads"])), {})[r["method"]] = float(r["ms"]) * 1e-3
+        elif r["level"] == "ops" and r["model"] == "GDN" and r["W"] == "2" and r["method"] == "kcp-convert":
+            assert (r["docs"], r["tokens"]) == ("varlen100", "131072"), r
     assert len(ms) >= 6, sorted(ms)
     for (docs, T, heads), m in ms.items():
         num += T * heads * (m["noCP"] - m["noCP-qla"])
         den += (T * heads) ** 2
     assert abs(cost_model.QLA_SAVES / (num / den) - 1) < 0.05, (num / den, cost_model.QLA_SAVES)
-    cu, op = cu_seqlens("varlen100", 131072, pad=4), op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
+    cu = frozen.cu_seqlens("varlen100", 131072, pad=4)
+    op = op_bytes_per_token(16, 32, (128, 128), False, torch.bfloat16)
     saves = cost_model.core_saving("fla", "qla", 65536, 32, 128)
     assert cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4, core_saves=saves)
     assert not cost_model.relayout_pays(cu, "zigzag_per_doc", 2, 32, 128, op, 4)

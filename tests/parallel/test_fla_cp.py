@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.catalogue import cu_seqlens
 from megatron_kcp.ops import dispatch
 from megatron_kcp.parallel.fla_cp import FlaCP
 from megatron_kcp.options import Options
 from megatron_kcp.plan import all_plans
 from megatron_kcp.problem import Problem
+from tests.fixtures import frozen
 
 CUDA = torch.device("cuda")          # only decided on: nothing runs
 
@@ -26,7 +26,7 @@ def decide_on(plan, device, dtype, kda, head_dims, value_heads, qk_heads, backen
 
 def _decide(W, device=CUDA, backend="auto", max_segment=None, strategy="fla-cp", docs="varlen100", T=32768,
             layout="contiguous", kda=True, forced=(None, None), peer_calls=True, heads=32):
-    plan = all_plans(cu_seqlens(docs, T, pad=2 * W), layout, W)[0]
+    plan = all_plans(frozen.cu_seqlens(docs, T, pad=2 * W), layout, W)[0]
     dispatch.decide_problem.cache_clear()
     return decide_on(plan, device, torch.bfloat16, kda, (128, 128), heads, heads, backend, strategy,
                      max_segment, forced, peer_calls)
@@ -56,7 +56,7 @@ def test_the_default_picks_fla_cp_for_kda_where_a_ranks_step_is_host_bound():
     assert _decide(2, strategy="auto", forced=(None, "1")) == fla_cp           # KCP_CONVERT names the layout only
     # on Megatron's layout the op converts to the contiguous one, and runs fla's call there, where the
     # heads do not divide over the ranks (else it moves to head shards)
-    for cu in (cu_seqlens("varlen", 32768, pad=8), (0, 16384, 16388, 32768)):     # every rank decides alike
+    for cu in (frozen.cu_seqlens("varlen", 32768, pad=8), (0, 16384, 16388, 32768)):     # every rank decides alike
         decided = {decide_on(p, CUDA, torch.bfloat16, True, (128, 128), 32, 32, "auto", "auto", None,
                              (None, None), True) for p in all_plans(cu, "contiguous", 4)}
         assert len(decided) == 1, decided
@@ -73,7 +73,7 @@ def test_fla_cp_refuses_what_it_cannot_run_and_names_the_fix():
         _decide(2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="no max_segment"):
         _decide(2, max_segment=1024)
-    plan = all_plans(cu_seqlens("varlen100", 32768, pad=4), "contiguous", 2)[0]
+    plan = all_plans(frozen.cu_seqlens("varlen100", 32768, pad=4), "contiguous", 2)[0]
     q = v = torch.zeros(1, plan.num_local_tokens, 2, 16)
     FlaCP().check(q, v, plan, None)
     with pytest.raises(ValueError, match="runs the contiguous layout"):
@@ -109,7 +109,7 @@ def test_fla_cp_hands_fla_the_plans_stream_and_the_ops_arguments(monkeypatch):
     monkeypatch.setattr(fla.ops.cp, "build_cp_context", build_cp_context)
     monkeypatch.setattr(fla.ops.kda, "chunk_kda", chunk_kda)
     fla_cp.context.cache_clear()
-    plan = all_plans(cu_seqlens("varlen", 4096, pad=4), "contiguous", 2)[1]
+    plan = all_plans(frozen.cu_seqlens("varlen", 4096, pad=4), "contiguous", 2)[1]
     T = plan.num_local_tokens
     q, k = torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8)
     v, g, beta = torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8, dtype=torch.bfloat16), torch.rand(1, T, 2)
@@ -128,30 +128,27 @@ def test_the_pick_against_the_measured_kda_mixers():
     """The KDA mixers that move their hidden states to the contiguous layout, timed with fla's CP call
     (``mlm-chunkwise``, and the default's rows where it picked ``fla-cp``) and with our all-gather step
     (the default's rows where it picked ``gather``, and ``kcp-gather``) on 2 and 4 GPUs
-    (benchmarks/results/perdoc*_h*x*.csv, measured rows): wherever both were timed, the step the
+    (tests/fixtures/perdoc*_h*x*.csv, measured rows): wherever both were timed, the step the
     default picks is within 5% of the faster on the mean of its repeats. Never picking fla's call
     misses that at 10 documents and 8k tokens a rank on 4 x H100; on 4 x H200 the two steps are
     within each other's spread there."""
-    import csv
     import re
     import statistics
-    from pathlib import Path
     ms = {}
-    for path in (Path(__file__).parents[2] / "benchmarks" / "results").glob("perdoc*_h*x*.csv"):
-        gpu = re.search(r"_(h\d00)x\d", path.name).group(1)
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                if r["source"] != "measured" or r["level"] != "mixer" or r["model"] != "KDA" or not r["ms"] or \
-                        r["W"] == "1" or r["docs"] == "single":
-                    continue
-                if r["method"] == "mlm-chunkwise" or r["method"] == "kcp" and "strategy fla-cp" in r["note"]:
-                    side = "fla-cp"
-                elif r["method"] in ("kcp", "kcp-gather") and r["note"].startswith("contiguous (strategy gather"):
-                    side = "gather"
-                else:
-                    continue
-                key = (gpu, int(r["W"]), int(r["tokens"]), r["docs"])
-                ms.setdefault(key, {}).setdefault(side, []).append(float(r["ms"]))
+    for name in frozen.names("perdoc*_h*x*.csv"):
+        gpu = re.search(r"_(h\d00)x\d", name).group(1)
+        for r in frozen.rows(name):
+            if r["source"] != "measured" or r["level"] != "mixer" or r["model"] != "KDA" or not r["ms"] or \
+                    r["W"] == "1" or r["docs"] == "single":
+                continue
+            if r["method"] == "mlm-chunkwise" or r["method"] == "kcp" and "strategy fla-cp" in r["note"]:
+                side = "fla-cp"
+            elif r["method"] in ("kcp", "kcp-gather") and r["note"].startswith("contiguous (strategy gather"):
+                side = "gather"
+            else:
+                continue
+            key = (gpu, int(r["W"]), int(r["tokens"]), r["docs"])
+            ms.setdefault(key, {}).setdefault(side, []).append(float(r["ms"]))
     picks = []
     for (gpu, W, T, docs), m in ms.items():
         if len(m) < 2:

@@ -128,25 +128,21 @@ def test_strategy_choice(monkeypatch):
 
 def test_strategy_model_against_the_predicted_steps(monkeypatch):
     """The cost model against what it was fitted to: the one-GPU predictions of every W = 2 to 64 case
-    with both strategies (benchmarks/results/, benchmarks/reports/). It must take the faster one, or one
-    within 5%, in 73 of the 78 cases, and never lose more than 20%."""
-    import csv
-    from pathlib import Path
-
-    from benchmarks.catalogue import cu_seqlens
+    with both strategies (tests/fixtures/predict_h200x1.csv, simulate_w2_h200x1.csv). It must take the faster
+    one, or one within 5%, in 73 of the 78 cases, and never lose more than 20%."""
     from megatron_kcp.parallel.cost_model import choose
+    from tests.fixtures import frozen
     monkeypatch.delenv("KCP_STRATEGY", raising=False)
     cases = {}
     for name in ("predict_h200x1.csv", "simulate_w2_h200x1.csv"):
-        with open(Path(__file__).parents[2] / "benchmarks" / "results" / name, newline="") as f:
-            for r in csv.DictReader(f):
-                if not r["note"] and r["backend"] == "fla":
-                    key = tuple(r[c] for c in ("model", "tokens", "docs", "heads", "layout", "W"))
-                    cases.setdefault(key, {})[r["strategy"]] = float(r["pred_ms"])
+        for r in frozen.rows(name):
+            if not r["note"] and r["backend"] == "fla":
+                key = tuple(r[c] for c in ("model", "tokens", "docs", "heads", "layout", "W"))
+                cases.setdefault(key, {})[r["strategy"]] = float(r["pred_ms"])
     losses = []
     for (model, T, docs, H, layout, W), ms in cases.items():
         W = int(W)
-        pick = choose(build_plan(cu_seqlens(docs, int(T), pad=2 * W), layout, W, 0), int(H))
+        pick = choose(build_plan(frozen.cu_seqlens(docs, int(T), pad=2 * W), layout, W, 0), int(H))
         losses.append(ms[pick] / min(ms.values()) - 1)
     assert len(losses) == 78
     assert sum(x <= 0.05 for x in losses) >= 73 and max(losses) < 0.20, sorted(losses)[-6:]
