@@ -6,11 +6,15 @@
     CORES["reference"]             # the entry; an unknown name is a KeyError listing the known ones
     with CORES.swapped(Other()):   # the entry of that name replaced (in its place) and restored after
         ...
+    with CORES.registered(Toy()):  # added for the block (a test's core or strategy), removed after
+        ...
+
+Who caches what it derived from the entries says so with ``watch(forget)``: every change calls ``forget()``.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Generic, Iterator, Protocol, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 
 class Named(Protocol):
@@ -31,18 +35,29 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, reserved: tuple[str, ...] = ()):
         self.kind, self.reserved = kind, reserved
         self._entries: dict[str, T] = {}
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, forget: Callable[[], None]) -> None:
+        """Call ``forget()`` after every change of the entries (a cache of decisions drawn from them)."""
+        self._watchers.append(forget)
+
+    def _changed(self) -> None:
+        for forget in self._watchers:
+            forget()
 
     def register(self, entry: T) -> T:
         """Add ``entry`` (its name must be new and not reserved); returns it."""
         if entry.name in self._entries or entry.name in self.reserved:
             raise ValueError(f"{self.kind} named {entry.name!r} is registered already")
         self._entries[entry.name] = entry
+        self._changed()
         return entry
 
     def unregister(self, name: str) -> T:
         """Remove the entry called ``name``; returns it."""
         entry = self.get(name)
         del self._entries[name]
+        self._changed()
         return entry
 
     def get(self, name: str) -> T:
@@ -62,9 +77,23 @@ class Registry(Generic[T]):
         saved = {e.name: self.get(e.name) for e in entries}
         try:
             self._entries.update({e.name: e for e in entries})
+            self._changed()
             yield
         finally:
             self._entries.update(saved)
+            self._changed()
+
+    @contextlib.contextmanager
+    def registered(self, *entries: T) -> Iterator[None]:
+        """``entries`` registered until the block ends, unregistered after."""
+        added = []
+        try:
+            for entry in entries:
+                added.append(self.register(entry))
+            yield
+        finally:
+            for entry in reversed(added):
+                self.unregister(entry.name)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)

@@ -101,6 +101,10 @@ def decide_problem(p: Problem) -> Dispatch:
     return _in_layout(p)
 
 
+CORES.watch(decide_problem.cache_clear)        # a core or strategy registered, removed or swapped: decide anew
+EXCHANGES.watch(decide_problem.cache_clear)
+
+
 def _layout_move(p: Problem) -> Dispatch:
     """Stay, move to the contiguous layout, or move to head shards (step 1 of the module docstring)."""
     moved = dataclasses.replace(_in_layout(dataclasses.replace(
