@@ -133,6 +133,8 @@ class Run:
         return rc
 
     def cut_short(self, *_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)      # once: a time limit's TERM may come twice (group, wrapper)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for name, (p, t0) in list(self.running.items()):
             self.running.pop(name, None)
             os.killpg(p.pid, signal.SIGKILL)

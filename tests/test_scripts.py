@@ -1,7 +1,8 @@
 """The entry scripts walked through dry: scripts/train_multi_node.sbatch under stand-in `srun` and
 `scontrol` (no slurm needed), scripts/train_single_node.sh and scripts/run.sh. Each node's torchrun
-command comes from the launcher's --dry-run. scripts/device_gpu_checks.sh under stand-in `nvidia-smi`
-and `python`: its refusals, its suite list, and its evidence archive, whole or cut short."""
+command comes from the launcher's --dry-run. scripts/device.sh under a stand-in `python`: its arguments to
+gpu-checks, its caches, a TERM passed on; benchmarks.gpu_checks' evidence archive, whole or cut short; and
+scripts/device_cache.sh's save."""
 from __future__ import annotations
 
 import json
@@ -189,81 +190,72 @@ def test_run_sh_passes_steps_to_the_cpu_demo(tmp_path):
     assert log.read_text().splitlines()[0] == "-m megatron_kcp.demo --model gdn --steps 5"
 
 
-GPU_CHECKS = ROOT / "scripts" / "device_gpu_checks.sh"
+DEVICE = ROOT / "scripts" / "device.sh"
+STANDIN_PYTHON = r"""#!/usr/bin/env bash
+# stand-in python: records its arguments; waits for TERM where $STANDIN/hold exists, else exits 3
+echo "$*" > "$STANDIN/args"
+[ -e "$STANDIN/hold" ] || exit 3
+trap 'echo cut > "$STANDIN/cut"; exit 124' TERM
+touch "$STANDIN/started"
+sleep 60 & wait
+"""
 
 
-@pytest.mark.parametrize("env,match", [
-    ({"KCP_CHECK_SUITES": "ops_w2 ops_w3"},
-     "KCP_CHECK_SUITES has ops_w3: name suites from: layout_w4_block_gdn layout_w4_block_kda"),
-    ({"KCP_CHECK_JOBS": "three"}, "KCP_CHECK_JOBS=three: give a number of suites at a time"),
-    ({}, "found no GPU (nvidia-smi -L): on a CPU run scripts/test.sh --all"),
-])
-def test_gpu_checks_refuse_bad_input_before_anything_runs(env, match, tmp_path):
-    """A stand-in nvidia-smi that lists no GPU: every mistake stops in one line (exit 2), nothing written."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_CHECK_")}
-    run_env.update(env, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
-    done = subprocess.run(["bash", str(GPU_CHECKS)], cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and match in done.stderr, done.stderr
-    assert not (tmp_path / "out").exists()
+def _device(tmp_path):
+    """A checkout with scripts/, a stand-in python first on PATH, the caches under tmp_path: (repo, env, OUT)."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    shutil.copytree(ROOT / "scripts", repo / "scripts", ignore=shutil.ignore_patterns("tuning"))
+    _executable(bin_dir / "python", STANDIN_PYTHON)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), STANDIN=str(tmp_path),
+               KCP_CACHE_ROOT=str(tmp_path / "cache"))     # not the machine's caches in /tmp
+    return repo, env, tmp_path / "out"
 
 
-@pytest.mark.slow
-def test_gpu_checks_run_every_gpu_test():
-    """Every test marked gpu is in one of the script's suites (collected with each suite's arguments): a GPU
-    test outside them would only run when someone remembers it."""
-    import re
-
-    def collected(*args):
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
-        return {line for line in out.splitlines() if "::" in line}
-    suites = [re.match(r"\s*pool \S+ ([^#]*)", line) for line in GPU_CHECKS.read_text().splitlines()]
-    covered = set().union(*(collected(*shlex.split(m.group(1))) for m in suites if m))
-    every = collected("-m", "gpu", "tests")
-    assert every and not every - covered, sorted(every - covered)
+def test_device_sh_runs_gpu_checks_between_the_caches(tmp_path):
+    """scripts/device.sh passes its arguments to python -m benchmarks gpu-checks, exits with its status and
+    saves both caches into $OUT."""
+    repo, env, out = _device(tmp_path)
+    done = subprocess.run(["bash", "scripts/device.sh", "ops_w1", "--jobs", "2"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert (tmp_path / "args").read_text().split() == ["-m", "benchmarks", "gpu-checks", "ops_w1", "--jobs", "2"]
+    assert sorted(p.name for p in out.iterdir()) == ["tcache-fast.tar.xz", "tcache.tar.xz"]
 
 
-def test_gpu_checks_name_every_suite_they_run():
-    """KCP_CHECK_SUITES is checked against the script's list: the list and the suites it starts agree."""
-    text = GPU_CHECKS.read_text()
-    listed = set(text.split('SUITES="', 1)[1].split('"', 1)[0].split())
-    started = {line.split()[1] for line in text.splitlines() if line.lstrip().startswith("pool ")}
-    started |= {line.split()[-1] for line in text.splitlines() if "&& pool " in line}
-    assert listed == started, (listed, started)
+def test_device_sh_cut_short_passes_the_term_on_and_saves_the_caches(tmp_path):
+    import time
+    repo, env, out = _device(tmp_path)
+    (tmp_path / "hold").touch()
+    run = subprocess.Popen(["bash", "scripts/device.sh"], cwd=repo, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    run.terminate()
+    assert run.wait(timeout=60) == 124, run.stderr.read()
+    assert (tmp_path / "cut").exists() and (out / "tcache.tar.xz").exists()
 
 
-STANDIN_NVIDIA_SMI = "#!/usr/bin/env bash\n[ \"$1\" = -L ] && echo 'GPU 0: stand-in' || echo 'stand-in, 1 MiB, 0'\n"
-STANDIN_PYTHON = r'''#!/usr/bin/env bash
-# stand-in python: a pytest run passes at once, except the graph suite's, which waits for $STANDIN/release,
-# and the ops_w1 suite's, which fails where $STANDIN/fail exists
-[ "$1" = -m ] || { echo "stand-in $1"; exit 0; }
-echo "case of $*" >> "$KCP_EVIDENCE_DIR/cases.txt"
-if [[ "$*" == *fla_matches* && -e "$STANDIN/fail" ]]; then echo "FAILED stand-in"; echo "1 failed in 0.01s"; exit 1; fi
-if [[ "$*" == *replays* ]]; then
-  for _ in $(seq 600); do [ -e "$STANDIN/release" ] && break; sleep 0.1; done
-fi
-echo "PASSED stand-in"; echo "1 passed in 0.01s"
-'''
+DRIVER = r"""
+import sys, types
+from benchmarks import gpu_checks
+out, stand = sys.argv[1:]
+def suite(name, script):
+    return types.SimpleNamespace(name=name, env={}, command=lambda: ["bash", "-c", script])
+sys.exit(gpu_checks.Run([
+    suite("ops_w1", f'echo case >> "$KCP_EVIDENCE_DIR/cases.txt"; echo ran; [ ! -e {stand}/fail ]'),
+    suite("graph", f"for _ in $(seq 600); do [ -e {stand}/release ] && exit 0; sleep 0.1; done")], out, 2, 120)())
+"""
 
 
 def _gpu_checks(tmp_path):
-    """A checkout with device_gpu_checks.sh, stand-in nvidia-smi (one GPU) and python; (command, env, OUT)."""
-    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
-    shutil.copytree(ROOT / "scripts", repo / "scripts", ignore=shutil.ignore_patterns("tuning"))
-    bin_dir.mkdir()
-    for name, text in (("nvidia-smi", STANDIN_NVIDIA_SMI), ("python", STANDIN_PYTHON)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    """benchmarks.gpu_checks.Run over two stand-in suites (ops_w1 fails where $STANDIN/fail exists, graph waits
+    for $STANDIN/release): the Popen and $OUT."""
+    (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KCP_")}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), STANDIN=str(tmp_path),
-               KCP_CHECK_SUITES="ops_w1 graph", KCP_SKIP_MEMORY="1",
-               KCP_CACHE_ROOT=str(tmp_path / "cache"))     # not the machine's caches in /tmp
-    return ["bash", "scripts/device_gpu_checks.sh"], repo, env, out
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(out), str(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out
 
 
 def _evidence(out) -> dict[str, str]:
@@ -272,41 +264,27 @@ def _evidence(out) -> dict[str, str]:
         return {pathlib.Path(m.name).name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
 
 
-def test_gpu_checks_pack_their_evidence(tmp_path):
-    """The logs and the tests' own evidence leave as one archive; $OUT holds it and the caches alone."""
-    cmd, repo, env, out = _gpu_checks(tmp_path)
-    (tmp_path / "release").touch()
-    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    files = _evidence(out)
-    assert {"ops_w1.log", "graph.log", "summary.txt", "versions.txt", "cases.txt"} <= set(files), sorted(files)
-    assert "ops_w1: exit 0" in files["summary.txt"] and "graph: exit 0" in files["summary.txt"]
-    assert not any(f.endswith(".running") for f in files)
-    assert sorted(p.name for p in out.iterdir()) == ["evidence.tar.gz", "tcache-fast.tar.xz", "tcache.tar.xz"]
-
-
-@pytest.mark.parametrize("suites,fail,status", [("ops_w1 graph", True, 1), ("memory", False, 0)])
-def test_gpu_checks_exit_with_the_suites_status(suites, fail, status, tmp_path):
-    """The script's exit status is the suites': 1 when one failed though the others passed, 0 when the
-    memory report ran alone and passed (every suite passing: test_gpu_checks_pack_their_evidence)."""
-    cmd, repo, env, out = _gpu_checks(tmp_path)
+@pytest.mark.parametrize("fail,status", [(False, 0), (True, 1)])
+def test_gpu_checks_pack_their_evidence_and_exit_with_the_suites_status(fail, status, tmp_path):
+    """The logs, versions, summary and the tests' own evidence leave as one archive, $OUT's only file; the exit
+    status is 1 when one suite failed though the other passed."""
     (tmp_path / "release").touch()
     if fail:
         (tmp_path / "fail").touch()
-    env.update(KCP_CHECK_SUITES=suites, KCP_SKIP_MEMORY="" if suites == "memory" else "1")
-    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == status, (done.stdout, done.stderr)
-    summary = _evidence(out)["summary.txt"]
-    assert all(f"{s}: exit {1 if fail and s == 'ops_w1' else 0}" in summary for s in suites.split()), summary
+    run, out = _gpu_checks(tmp_path)
+    assert run.wait(timeout=120) == status, run.stderr.read()
+    files = _evidence(out)
+    assert {"ops_w1.log", "graph.log", "summary.txt", "versions.txt", "cases.txt"} <= set(files), sorted(files)
+    assert f"ops_w1: exit {int(fail)}" in files["summary.txt"] and "graph: exit 0" in files["summary.txt"]
+    assert [p.name for p in out.iterdir()] == ["evidence.tar.gz"]
 
 
 def test_gpu_checks_cut_short_keep_what_ran(tmp_path):
-    """Stopped by a time limit's TERM while a suite runs: the archive holds every log so far and the
-    summary names the suite cut; nothing else is left in $OUT."""
+    """Stopped by a time limit's TERM (twice, as from its group and a wrapper) while a suite runs: exit 124,
+    the archive holds every log so far and the summary names the suite cut."""
     import signal
     import time
-    cmd, repo, env, out = _gpu_checks(tmp_path)
-    run = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run, out = _gpu_checks(tmp_path)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:      # ops_w1 done, graph waiting
@@ -314,15 +292,14 @@ def test_gpu_checks_cut_short_keep_what_ran(tmp_path):
                 break
             time.sleep(0.2)
         run.send_signal(signal.SIGTERM)
+        run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=30) == 124, run.stderr.read()
     finally:
         (tmp_path / "release").touch()     # the stand-in graph suite ends
         run.kill()
     files = _evidence(out)
-    assert "ops_w1: exit 0" in files["summary.txt"], files["summary.txt"]
-    assert "graph: cut short after" in files["summary.txt"], files["summary.txt"]
-    assert "graph.log" in files and "ops_w1.log" in files
-    assert [p.name for p in out.iterdir()] == ["evidence.tar.gz"]
+    assert "ops_w1: exit 0" in files["summary.txt"] and "graph: cut short after" in files["summary.txt"], files
+    assert {"graph.log", "ops_w1.log"} <= set(files) and [p.name for p in out.iterdir()] == ["evidence.tar.gz"]
 
 
 def test_device_cache_saves_the_seed_where_a_run_added_nothing(tmp_path):
