@@ -1,4 +1,4 @@
-# Sourced by the device_*.sh scripts: Triton's autotune cache under $KCP_CACHE_ROOT/$name/triton and
+# Sourced by scripts/device.sh and the device_*.sh scripts: Triton's autotune cache under $KCP_CACHE_ROOT/$name/triton and
 # tilelang's compiled kernels under $KCP_CACHE_ROOT/tcache/tilelang (KCP_CACHE_ROOT: default /tmp),
 # seeded from .tcache/$name.tar.xz when the checkout has one (a cache saved by an earlier run,
 # possibly on another machine with the same GPU and packages), else from
