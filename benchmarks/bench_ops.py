@@ -173,10 +173,11 @@ def parse(argv=None, prog=None):
     if args.profile and "layers" not in args.what:
         p.error("--profile profiles layer rows: add --what layers (the op kernels' tables: --what profile)")
     if args.graph and "layers" not in args.what:
-        p.error("--graph captures layer rows: add --what layers (the op's captured step: perdoc_measured.py "
-                "--methods kcp-graph)")
+        p.error("--graph captures layer rows: add --what layers (the op's captured step: python -m "
+                "benchmarks run matrix --methods kcp-graph)")
     if args.kcp_parts and "layers" not in args.what:
-        p.error("--kcp-parts adds layer rows: add --what layers (the op's part length: host_time.py --max-segment)")
+        p.error("--kcp-parts adds layer rows: add --what layers (the op's part length: python -m "
+                "benchmarks predict host-time --max-segment)")
     if any(n <= 0 for n in args.kcp_parts):
         p.error(f"--kcp-parts {args.kcp_parts}: part lengths are positive token counts")
     if "noCP" not in args.methods:

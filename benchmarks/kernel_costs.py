@@ -119,7 +119,7 @@ def main(argv=None, prog=None):
     args = p.parse_args(argv)
     os.environ.setdefault("FLA_FLASH_QLA", "0")       # fla's rows: its Triton kernels (flash-qla: the qla rows)
     if not torch.cuda.is_available():
-        raise SystemExit("kernel_costs.py times CUDA kernels: run it on a GPU")
+        raise SystemExit("python -m benchmarks predict kernel-costs times CUDA kernels: run it on a GPU")
     rows = []
     for model in args.models:
         for H in args.heads:

@@ -32,6 +32,7 @@ def bench(*args, timeout=600) -> subprocess.CompletedProcess:
     (["run", "--problem", "single"], "python -m benchmarks predict --problem single"),
     (["run", "ops", "--problem", "x2-gdn"], "the problem runs bench 'matrix', not 'ops'"),
     (["run", "ops", "--profile", "5"], "add --what layers"),
+    (["run", "ops", "--graph", "kcp"], "python -m benchmarks run matrix --methods kcp-graph"),
     (["run", "ops", "--what", "layers", "--kcp-parts", "0"], "positive token counts"),
     (["run", "ops", "--memory-only", "--tokens", "1024", "2048"], "give one --tokens, --heads and --docs value"),
     (["run", "--problem", "memory", "--device", "cpu"], memory.NEEDS_GPU),
