@@ -491,23 +491,3 @@ def _conversions_follow_the_pattern():
 
 def test_block_converts_at_the_edges_of_the_linear_run():
     spawn(_conversions_follow_the_pattern, 2)
-
-
-def test_cost_model_converts_many_documents_and_ranks_agree():
-    """The decision reads only what every rank shares; with many documents it converts, and at the
-    mixer level (d_model per token) sooner than at the op level (q, k, v, g, beta and o)."""
-    from megatron_kcp.parallel.cost_model import relayout_pays
-    hundred = docs_cu(100, 2)
-    hidden = 4 * 2048 * 2                                       # four all-to-alls of bf16 d_model = 2048
-    op = 2 * 64 * ((4 * 128 + 1) * 2 + 4)
-    assert relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
-    assert relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, op, 4)
-    assert not relayout_pays(hundred, "contiguous", 2, 64, 128, hidden, 4)
-    assert not relayout_pays(hundred, "zigzag_per_doc", 1, 64, 128, hidden, 4)
-    single = (0, 32768)
-    assert relayout_pays(single, "zigzag_per_doc", 2, 64, 128, hidden / 3, 4 / 3)
-    assert not relayout_pays(single, "zigzag_per_doc", 2, 64, 128, op, 4)
-    with mock.patch.dict("os.environ", {"KCP_CONVERT": "0"}):
-        assert not relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)
-    with mock.patch.dict("os.environ", {"KCP_CONVERT": "yes"}), pytest.raises(ValueError, match="use 1"):
-        relayout_pays(hundred, "zigzag_per_doc", 2, 64, 128, hidden, 4)

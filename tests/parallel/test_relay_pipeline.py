@@ -1,7 +1,7 @@
 """The relay pipelined over head groups (``KCP_RELAY_GROUPS`` forced): CP ranks (gloo, CPU, reference
 core) against the fp64 oracle in the output and every input gradient, GDN (grouped heads) and KDA,
 every layout, W = 2 and 4; the pipelined run equal to the unpipelined one bit for bit; a wrong
-exchange of group rows caught; the cost model's G and the override's validation."""
+exchange of group rows caught (the cost model's G: tests/parallel/test_cost_model.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from megatron_kcp.ops import kcp
 from megatron_kcp.kernels.core_reference import ReferenceCore
-from megatron_kcp.parallel import cost_model, relay
-from megatron_kcp.plan import LAYOUTS, all_plans, build_plan
+from megatron_kcp.parallel import relay
+from megatron_kcp.plan import LAYOUTS
 from megatron_kcp.testing.cases import long_memory_cu, long_memory_inputs, plan_for, random_cu_seqlens, \
     random_inputs, shard
 from megatron_kcp.testing.checks import TOL, compare_with_oracle, cp_group, exchange_off
@@ -183,64 +183,3 @@ def _bitwise(layouts):
 
 def test_pipelined_equals_unpipelined_bit_for_bit():
     spawn(_bitwise, 2, LAYOUTS)
-
-
-# the cost model: plans with nothing to exchange, a short chain, a long one
-ONE_SEQ = (0, 1 << 17)
-
-
-@pytest.mark.parametrize("cu,layout,W", [(ONE_SEQ, "contiguous", 8), (ONE_SEQ, "zigzag", 4),
-                                         ((0, 1000, 1 << 16), "zigzag_per_doc", 4), ((0, 256), "zigzag", 2),
-                                         ((0, 4096, 8192), "contiguous", 2), (ONE_SEQ, "contiguous", 1)])
-@pytest.mark.parametrize("HV,Hqk", [(64, 64), (32, 16), (4, 4)])
-def test_pipeline_depth_is_one_decision_for_every_rank(cu, layout, W, HV, Hqk, monkeypatch):
-    """Every rank's plan gives the same G (it reads only what they share), and it divides H."""
-    monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
-    depths = {cost_model.pipeline_depth(p, HV, Hqk, 128) for p in all_plans(cu, layout, W)}
-    assert len(depths) == 1 and Hqk % depths.pop() == 0
-
-
-def test_pipeline_depth_is_one_where_nothing_waits(monkeypatch):
-    """No exchange (one rank, sequences cut on rank edges) or a short chain: G = 1; a long chain at many
-    heads: G > 1, with each group at least ``MIN_GROUP_HEADS`` heads."""
-    monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
-    for cu, layout, W in [(ONE_SEQ, "contiguous", 1), ((0, 4096, 8192), "contiguous", 2),
-                          ((0, 256), "zigzag", 2), ((0, 64, 128, 192, 256), "zigzag_per_doc", 1)]:
-        for p in all_plans(cu, layout, W):
-            assert cost_model.pipeline_depth(p, 64, 64, 128) == 1, (cu, layout, W)
-    plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
-    G = cost_model.pipeline_depth(plan, 128, 128, 128)
-    assert G > 1 and 128 // G >= cost_model.MIN_GROUP_HEADS
-    assert cost_model.pipeline_depth(plan, 64, 64, 128) == 1        # groups too small to fill the GPU
-    assert cost_model.pipeline_depth(plan, 4, 4, 128) == 1
-
-
-def test_flash_qla_core_keeps_one_group_unless_forced(monkeypatch):
-    """flash-qla's passes are latency-bound scans (a group's pass takes about as long as all heads'):
-    its core says so, and the cost model keeps G = 1 where it would split fla's; KCP_RELAY_GROUPS
-    still forces groups (the GPU tests run them)."""
-    from megatron_kcp.kernels.core_fla import GDNCore
-    from megatron_kcp.kernels.core_qla import GDNQLACore
-    monkeypatch.delenv("KCP_RELAY_GROUPS", raising=False)
-    plan = build_plan(ONE_SEQ, "contiguous", 8, 3)
-    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNCore.min_group_heads) > 1
-    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNQLACore.min_group_heads) == 1
-    monkeypatch.setenv("KCP_RELAY_GROUPS", "4")
-    assert cost_model.pipeline_depth(plan, 128, 128, 128, GDNQLACore.min_group_heads) == 4
-
-
-def test_pipeline_depth_override(monkeypatch):
-    """``KCP_RELAY_GROUPS`` wins where it divides H (whole q/k heads a group); anything else is a
-    ValueError naming the fix, raised by the relay's check before any kernel."""
-    plan = build_plan((0, 64), "contiguous", 2, 0)
-    monkeypatch.setenv("KCP_RELAY_GROUPS", "2")
-    assert cost_model.pipeline_depth(plan, 8, 4, 16) == 2
-    monkeypatch.setenv("KCP_RELAY_GROUPS", "1")
-    assert cost_model.pipeline_depth(plan, 8, 4, 16) == 1
-    q, v = torch.zeros(1, 32, 4, 16), torch.zeros(1, 32, 8, 16)
-    for bad in ("3", "8", "0", "-2", "two", "2.0"):
-        monkeypatch.setenv("KCP_RELAY_GROUPS", bad)
-        with pytest.raises(ValueError, match=r"must divide the value heads .* use one of 1, 2, 4 \(or unset it"):
-            cost_model.pipeline_depth(plan, 8, 4, 16)
-        with pytest.raises(ValueError, match="KCP_RELAY_GROUPS"):
-            relay.Relay().check(q, v, plan, None)
