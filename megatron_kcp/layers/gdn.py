@@ -38,15 +38,17 @@ def split_heads_contiguous(qkv: torch.Tensor, sizes: list[int], head_dims: list[
 
 
 class KCPGatedDeltaNet(GatedDeltaNet):
-    """``GatedDeltaNet`` with Kimi Context Parallel; same constructor and checkpoint format."""
+    """``GatedDeltaNet`` with Kimi Context Parallel; same constructor and checkpoint format.
+
+    ``cp_size`` keeps megatron-core's meaning, the factor its all-to-all to head shards divides a rank's heads
+    by (``feat_dim_split``, the conv's groups): 1 here, every rank keeps all of its TP heads. The CP size and
+    group are ``pg_collection.cp`` (the plan's ``world_size``), as megatron-core's modules read them.
+    """
 
     any_layout = True     # runs in the layout its hidden states come in (megatron_kcp.layers.layout)
 
     def _setup_variant_attrs(self):
-        # heads stay whole on every CP rank: the parent's head math must not divide by CP
-        self.kcp_group = self.pg_collection.cp
-        self.kcp_size = self.cp_size
-        self.cp_size = 1
+        self.cp_size = 1      # heads stay whole on every CP rank: the parent's head math must not divide by CP
         for name, dim in (("linear_key_head_dim", self.key_head_dim), ("linear_value_head_dim", self.value_head_dim)):
             if dim > MAX_HEAD_DIM:
                 raise ValueError(f"{name}={dim}: the chunked kernels support head dims up to {MAX_HEAD_DIM}; "
@@ -73,13 +75,13 @@ class KCPGatedDeltaNet(GatedDeltaNet):
         hidden_states, batch, restore = mixer_input(self, hidden_states, packed_seq_params)
         qkvzba, _ = self.in_proj(hidden_states)                    # [s, b, x], sequence gathered over TP
         s, b, _ = qkvzba.shape
-        plan = packed_plan(batch, s, b, self.conv_kernel_dim, self.kcp_group)
+        plan = packed_plan(batch, s, b, self.conv_kernel_dim, self.pg_collection.cp)
         # [s, b, x] -> one packed local stream [1, b*s, x]: rows become documents
         qkvzba = qkvzba.transpose(0, 1).reshape(1, b * s, -1)
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
         gate = gate.reshape(1, b * s, -1, self.value_head_dim)
         qkv = kcp.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
-                                self.activation, plan=plan, group=self.kcp_group)
+                                self.activation, plan=plan, group=self.pg_collection.cp)
         # on GPUs torch.compile fusions: q/k/v made contiguous with q's and k's norms, the parent's decay and
         # gated norm (one kernel each, not ~8 eager ones over [T, H, 128] fp32); on the CPU the same math
         # eagerly (inductor needs a compiler)
@@ -94,7 +96,7 @@ class KCPGatedDeltaNet(GatedDeltaNet):
             beta = beta.sigmoid()
         announce(self, plan, batch, q, v, g, self.tp_size)
         # grouped heads: kernels map value head i to q/k head i // (HV / H), as repeat_interleave does
-        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.kcp_group)      # q and k normalised above
+        o = kcp.gated_delta_rule(q, k, v, g, beta, plan, self.pg_collection.cp)      # q and k normalised above
         if fused:
             o = self._apply_gated_norm(o, gate)
         else:
