@@ -35,7 +35,20 @@ def add_kcp_args(parser):
     g.add_argument("--kda-norm-eps", type=float, default=None,
                    help="KDA: epsilon of the gated output RMSNorm (default 1e-5)")
     g.add_argument("--kcp-log", default=None, help="also write the per-step progress as JSON lines to this file")
+    escape_unformattable_help(parser)
     return parser
+
+
+def escape_unformattable_help(parser):
+    """Escapes the ``%`` of every help text argparse cannot format (megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` has a bare ``10%)``), so that ``--help`` prints
+    instead of stopping on a ValueError; help that formats is left as it is."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % {**vars(action), "prog": parser.prog, "default": action.default}
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
 
 
 def normalize_spec(spec):

@@ -30,6 +30,15 @@ def test_launcher_command_parses_with_plugin_options():
     assert not train.read_args(argv).create_attention_mask_in_dataloader
 
 
+def test_help_prints(capsys):
+    """``--help`` prints every option, megatron-core's help with a bare ``%`` included."""
+    with pytest.raises(SystemExit) as e:
+        train.read_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in out and "--kcp-log" in out
+
+
 def test_one_token_spec_is_the_default_hybrid():
     argv = _argv()
     i = argv.index("--spec")
