@@ -11,7 +11,7 @@ TOOLING_FILES = {"test_launch.py", "test_benchmarks.py", "test_scripts.py", "tes
                  "test_ci.py", "test_presets.py", "test_megatron_lm.py", "test_megatron_lm_scripts.py",
                  "test_loss_parity.py"}
 TOOLING_TESTS = {"test_launcher_passes_data_options", "test_readme_data_command_parses",
-                 "test_launcher_command_parses_with_plugin_options"}
+                 "test_launcher_command_parses_with_plugin_options", "test_help_prints"}
 # the fitted constants and picks checked against the measured (or predicted) rows they were fitted on
 CALIBRATION_TESTS = {"test_conversion_model_against_the_measured_steps", "test_mixer_pick_where_every_process_agrees",
                      "test_head_shard_price_fits_the_measured_rows", "test_cut_price_fits_the_measured_rows",
