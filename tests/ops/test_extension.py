@@ -87,9 +87,9 @@ def test_registering_a_taken_or_reserved_name_is_refused():
         CORES.register(CORES["reference"])
     with pytest.raises(ValueError, match="an exchange strategy named 'auto' is registered already"):
         EXCHANGES.register(type("Auto", (toy_strategy.ToyRelay,), {"name": "auto"})())
-    with pytest.raises(KeyError, match="no exchange strategy named 'toy-relay': registered are cp2hp, fla-cp, "
-                                       "gather, relay, none"):
+    with pytest.raises(KeyError, match="no exchange strategy named 'toy-relay': registered are ") as e:
         EXCHANGES["toy-relay"]
+    assert sorted(str(e.value).strip("'\"").split("registered are ")[1].split(", ")) == sorted(EXCHANGES.names())
 
 
 def _toys_run_to_the_oracle():
