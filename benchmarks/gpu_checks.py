@@ -156,6 +156,7 @@ class Run:
         print("\n".join(versions), flush=True)
         with open(os.path.join(self.dir, "versions.txt"), "w") as f:
             f.write("\n".join(versions) + "\n")
+        self.pack()        # a run killed before its first suite ends still leaves the versions
         with ThreadPoolExecutor(self.jobs) as pool:
             codes = list(pool.map(self.one, self.suites))
         self.pack()
