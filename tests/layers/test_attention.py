@@ -75,7 +75,8 @@ def _cp1_matches_megatron():
     pack = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     out = ours(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=pack)
     alone = torch.cat([ours(q[a:b, :1], k[a:b, :1], v[a:b, :1], None) for a, b in ((0, 5), (5, 12))])
-    assert rel_err(out, alone) < 1e-6
+    assert out.shape == alone.shape[::2]            # THD: [t, heads * d], as TE returns it
+    assert rel_err(out, alone[:, 0]) < 1e-6
 
 
 def zigzag_rows(seq: int, cp: int, rank: int) -> torch.Tensor:
