@@ -160,8 +160,8 @@ class KCPKimiDeltaAttention(MegatronModule):
                              "use more heads of a smaller head dim")
         if "exchange" in kwargs:          # Megatron's build kwargs pass through **kwargs: a stale name must not vanish
             raise TypeError("KCPKimiDeltaAttention takes strategy=, not exchange=: rename it (e.g. strategy='cp2hp')")
-        if strategy not in dispatch.STRATEGY_NAMES:
-            raise ValueError(f"strategy={strategy!r}: use one of {dispatch.STRATEGY_NAMES}")
+        if strategy not in dispatch.strategy_names():
+            raise ValueError(f"strategy={strategy!r}: use one of {dispatch.strategy_names()}")
         if strategy == "fla-cp":
             raise ValueError("strategy='fla-cp' is the op's (fla's own CP call, on the contiguous layout), and the "
                              "mixer's layout follows the cost model: use strategy='auto', which runs it after the "

@@ -36,8 +36,18 @@ from megatron_kcp.parallel.strategy import ExchangeStrategy, StateExchange
 from megatron_kcp.plan import KCPPlan, capturing
 from megatron_kcp.problem import Problem
 
-BACKENDS = ("auto", "reference", "fla", "qla")
-STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert", "fla-cp")
+STRATEGY_NAMES = ("auto", "relay", "gather", "cp2hp", "convert", "fla-cp")     # the built-in ones a caller names
+
+
+def backend_names() -> tuple[str, ...]:
+    """What ``backend=`` takes: ``auto`` and every registered core, from the lowest priority up."""
+    return ("auto", *(c.name for c in sorted(CORES, key=lambda c: c.priority)))
+
+
+def strategy_names() -> tuple[str, ...]:
+    """What ``strategy=`` takes: the built-in names and every other registered strategy (``none`` is the
+    dispatch's own: no exchange)."""
+    return (*STRATEGY_NAMES, *(n for n in EXCHANGES.names() if n not in STRATEGY_NAMES and n != "none"))
 
 
 @dataclass(frozen=True)
@@ -76,10 +86,10 @@ def decide(plan: KCPPlan, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bac
         max_segment: None (the kernels' pick), 0 (never split) or a length.
         initial_state: the call's, or None: only whether one is passed is read.
     """
-    if backend not in BACKENDS and backend not in CORES:
-        raise ValueError(f"unknown KCP backend {backend!r}: choose one of {BACKENDS}")
-    if strategy not in STRATEGY_NAMES and (strategy not in EXCHANGES or strategy == "none"):
-        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {STRATEGY_NAMES}")
+    if backend not in backend_names():
+        raise ValueError(f"unknown KCP backend {backend!r}: choose one of {backend_names()}")
+    if strategy not in strategy_names():
+        raise ValueError(f"unknown KCP exchange strategy {strategy!r}: choose one of {strategy_names()}")
     if max_segment is not None and max_segment < 0:
         raise ValueError(f"max_segment must be >= 0 (0: segments not split; None: the kernels' pick), "
                          f"got {max_segment}")

@@ -32,6 +32,8 @@ def test_toy_core_is_picked_where_it_runs_and_is_worth_it(monkeypatch):
             ("reference", "gather", 0, "")
         assert decided(monkeypatch, *gdn[:-1], "hopper") == ("fla", "gather", 0, "")
         assert decided(monkeypatch, *gdn, backend="toy") == ("toy", "gather", 0, "")
+        assert decided(monkeypatch, *gdn, backend="flash") == "error: unknown KCP backend 'flash': choose one of " \
+            "('auto', 'reference', 'toy', 'fla', 'qla')"           # the registered cores, by priority
     assert decided(monkeypatch, *gdn) == ("reference", "gather", 0, "")
     assert decided(monkeypatch, *gdn, backend="toy") == "error: unknown KCP backend 'toy': choose one of " \
         "('auto', 'reference', 'fla', 'qla')"
@@ -53,6 +55,8 @@ def test_toy_strategy_is_picked_where_applicable_and_cheapest_and_refused_elsewh
                             (("gdn", 1, "contiguous", 10, 32768, 32, "cpu"), {}),
                             (("gdn", 2, "contiguous", 10, 32768, 32, "cpu"), {"max_segment": 1024})):
             assert decided(monkeypatch, *where, strategy="toy-relay", **args) == f"error: {toy_strategy.REFUSAL}"
+        assert decided(monkeypatch, "gdn", 2, "contiguous", 10, 32768, 32, "cpu", strategy="ring").endswith(
+            "choose one of ('auto', 'relay', 'gather', 'cp2hp', 'convert', 'fla-cp', 'toy-relay')")
     assert decided(monkeypatch, "gdn", 2, "contiguous", 10, 32768, 32, "cpu") == ("reference", "gather", 0, "")
     assert decided(monkeypatch, "gdn", 2, "contiguous", 10, 32768, 32, "cpu", strategy="toy-relay").startswith(
         "error: unknown KCP exchange strategy 'toy-relay'")
