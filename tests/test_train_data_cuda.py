@@ -32,6 +32,7 @@ def test_trains_on_documents_on_gpu(trainer, preset, tmp_path):
     if trainer == "pretrain_gpt.py" and not (MLM / "pretrain_gpt.py").is_file():
         pytest.skip("needs Megatron-LM's pretrain_gpt.py in .mlm/ or MEGATRON_LM (scripts/fetch_megatron_lm.sh)")
     from megatron_kcp.testing.data import build_indexed_dataset, build_tokenizer_dir
+    from megatron_kcp.testing.distributed import free_port   # cases side by side on one machine
     tok = build_tokenizer_dir(tmp_path / "tok")
     g = torch.Generator().manual_seed(0)
     lengths = (2 * torch.randint(10, 300, (600,), generator=g) + 1).tolist()
@@ -42,7 +43,7 @@ def test_trains_on_documents_on_gpu(trainer, preset, tmp_path):
             "--tokenizer-model", str(tok), "--eod-mask-loss",
             *([] if "+mtp" in preset else ["--dataloader-inter-document-masking"]),
             "--train-iters", "40", "--lr", "1e-3", "--lr-warmup-iters", "4", "--seed", "7", *PRESETS[preset]]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "MASTER_PORT": "29517"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "MASTER_PORT": str(free_port())}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     log = run.stdout + run.stderr
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.]+E[+-][0-9]+)", log)]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -107,7 +107,7 @@ def spawn(fn, world_size: int, *args, tp: int = 1, pp: int = 1):
     errors = mp.get_context(method).SimpleQueue()
     try:
         env = {**os.environ, "_KCP_CALLER_PID": str(os.getpid())} if method == "forkserver" else None
-        mp.start_processes(_worker, args=(world_size, _free_port(), tp, pp, fn, args, errors, env),
+        mp.start_processes(_worker, args=(world_size, free_port(), tp, pp, fn, args, errors, env),
                            nprocs=world_size, join=True, start_method=method)
     except mp.ProcessRaisedException:
         raise AssertionError(errors.get() if not errors.empty() else "a rank failed") from None
