@@ -78,18 +78,6 @@ def costs(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int 
     return relay, gather
 
 
-def choose(plan: KCPPlan, heads: int = 64, options: Options | None = None) -> str:
-    """``relay`` or ``gather`` for this plan (``KCP_STRATEGY`` overrides)."""
-    forced = (Options.from_env() if options is None else options).forced_strategy()
-    if forced:
-        return forced
-    cu, layout, W = plan.global_cu_seqlens, plan.layout, plan.world_size
-    if not needs_maps(cu, layout, W):
-        return "gather"
-    relay, gather = costs(cu, layout, W, heads)
-    return "relay" if relay <= gather else "gather"
-
-
 @functools.lru_cache(maxsize=256)
 def layout_cost(cu_seqlens: tuple[int, ...], layout: str, world_size: int, heads: int, head_dim: int) -> float:
     """Modelled seconds a step (fwd+bwd) spends on crossing ranks in ``layout``: the cheaper exchange's

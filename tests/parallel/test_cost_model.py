@@ -8,8 +8,10 @@ from unittest import mock
 import pytest
 import torch
 
+from megatron_kcp.options import Options
 from megatron_kcp.parallel import cost_model, relay
 from megatron_kcp.plan import LAYOUTS, all_plans, build_plan
+from megatron_kcp.problem import Problem
 from megatron_kcp.testing.cases import docs_cu
 
 # plans with nothing to exchange, a short chain, a long one
@@ -18,13 +20,21 @@ MANY = docs_cu(100, 8)           # padded for W = 2, 4 and 8
 OP = 2 * 64 * ((4 * 128 + 1) * 2 + 4)        # the op's bytes a token (q, k, v, g, beta, o and their gradients)
 
 
-def test_strategy_choice(monkeypatch):
-    """The cost model (megatron_kcp.parallel.cost_model): the all-gather where no transition map is
-    needed, else the cheaper of the relay's chain and the maps; every rank of a plan chooses alike."""
-    monkeypatch.delenv("KCP_STRATEGY", raising=False)
+def exchange(plan, heads: int = 64, strategy: str | None = None) -> str:
+    """The exchange the dispatch takes for ``plan`` in its own layout (``KCP_CONVERT=0``) on the CPU, with
+    ``KCP_STRATEGY=strategy``: the cheapest of the registered strategies that apply (their ``cost``, which is
+    :func:`cost_model.costs`)."""
+    from megatron_kcp.ops.dispatch import decide_problem
+    return decide_problem(Problem(plan, torch.device("cpu"), torch.float32, False, (128, 128), heads, heads,
+                                  options=Options(strategy=strategy, convert="0"))).strategy
 
-    def picks(cu, layout, W):
-        out = {cost_model.choose(build_plan(cu, layout, W, r)) for r in range(W)}
+
+def test_strategy_choice():
+    """The exchange the cost model (megatron_kcp.parallel.cost_model) prices cheaper: the all-gather where no
+    transition map is needed, else the cheaper of the relay's chain and the maps; every rank of a plan
+    chooses alike; ``KCP_STRATEGY`` overrides."""
+    def picks(cu, layout, W, strategy=None):
+        out = {exchange(build_plan(cu, layout, W, r), strategy=strategy) for r in range(W)}
         assert len(out) == 1, f"ranks disagree: {out}"
         return out.pop()
     docs = (0, 40, 100, 160, 256)
@@ -36,16 +46,14 @@ def test_strategy_choice(monkeypatch):
     long = (0, 262144)
     assert picks(long, "contiguous", 4) == "relay"            # a chain of 3 x 64k tokens against maps over 64k
     assert picks(long, "contiguous", 8) == "gather"           # a chain of 7 x 32k: latency
-    monkeypatch.setenv("KCP_STRATEGY", "relay")
-    assert picks(docs, "contiguous", 2) == "relay"
+    assert picks(docs, "contiguous", 2, "relay") == "relay"
 
 
-def test_strategy_model_against_the_predicted_steps(monkeypatch):
+def test_strategy_model_against_the_predicted_steps():
     """The cost model against what it was fitted to: the one-GPU predictions of every W = 2 to 64 case
     with both strategies (tests/fixtures/predict_h200x1.csv, simulate_w2_h200x1.csv). It must take the faster
     one, or one within 5%, in 73 of the 78 cases, and never lose more than 20%."""
     from tests.fixtures import frozen
-    monkeypatch.delenv("KCP_STRATEGY", raising=False)
     cases = {}
     for name in ("predict_h200x1.csv", "simulate_w2_h200x1.csv"):
         for r in frozen.rows(name):
@@ -55,7 +63,7 @@ def test_strategy_model_against_the_predicted_steps(monkeypatch):
     losses = []
     for (model, T, docs, H, layout, W), ms in cases.items():
         W = int(W)
-        pick = cost_model.choose(build_plan(frozen.cu_seqlens(docs, int(T), pad=2 * W), layout, W, 0), int(H))
+        pick = exchange(build_plan(frozen.cu_seqlens(docs, int(T), pad=2 * W), layout, W, 0), int(H))
         losses.append(ms[pick] / min(ms.values()) - 1)
     assert len(losses) == 78
     assert sum(x <= 0.05 for x in losses) >= 73 and max(losses) < 0.20, sorted(losses)[-6:]
@@ -173,13 +181,13 @@ def test_exchange_costs_grow_with_what_they_move(layout):
         assert cost_model.layout_cost(MANY, layout, W, 64, 128) >= cost_model.layout_cost(MANY, layout, W, 16, 128)
 
 
-def test_choose_is_the_cheaper_exchange():
-    """Where maps are needed, ``choose`` is the cheaper of the two modelled costs (a tie: the relay)."""
+def test_the_pick_is_the_cheaper_exchange():
+    """Where maps are needed, the dispatch takes the cheaper of the two modelled costs (a tie: the relay)."""
     for cu in (ONE_SEQ, MANY, (0, 256), (0, 4096, 8192)):
         for layout in LAYOUTS:
             for W in (2, 4, 8):
                 plan = build_plan(cu, layout, W, 0)
-                pick = cost_model.choose(plan, options=cost_model.Options())
+                pick = exchange(plan)
                 if not cost_model.needs_maps(cu, layout, W):
                     assert pick == "gather"
                     continue
