@@ -67,7 +67,9 @@ SUITES = (   # longest first: the W = 4 layout tests, then the training steps
     Suite("graph", (OPS, "-k", "replays")),
     Suite("ops_w1", (OPS, "tests/parallel/test_gather.py", "-k", "fla_matches or scattered or fold_on_the_gpu")),
     Suite("whole_stream", (LAYOUT, "-k", "whole_stream_layout_on_gpu")),   # --dataloader-inter-document-masking
-    Suite("documents", ("tests/test_train_data_cuda.py",)),   # pretrain_gpt.py and megatron_kcp.train, tiny presets
+    # the tiny presets trained on documents, a suite a trainer (a case ~90 s: side by side, not one after another)
+    Suite("documents", ("tests/test_train_data_cuda.py", "-k", "not pretrain_gpt")),   # megatron_kcp.train
+    Suite("documents_mlm", ("tests/test_train_data_cuda.py", "-k", "pretrain_gpt")),   # Megatron-LM's pretrain_gpt.py
     Suite("models_convert", ("tests/convert/test_convert_cuda.py",)),   # converted HF models against transformers
     Suite("memory", ("run", "--problem", "memory")),
 )
