@@ -4,8 +4,9 @@
 # runs against the installed megatron-core wheel, which ships megatron.core and megatron.training
 # but none of these files. No megatron/ directory is copied: the wheel's stays the one imported.
 #   scripts/fetch_megatron_lm.sh SOURCE [REF]        (then: MEGATRON_LM=.mlm ...)
-# SOURCE: a Megatron-LM git checkout or mirror (bare or not), read at REF (default core_r0.19.0, also
-# found as origin/REF); or a directory holding pretrain_gpt.py, copied as it is (REF ignored).
+# SOURCE: a Megatron-LM git checkout or mirror (bare or not), read at REF (default core_r0.19.0, or the release's
+# tag core_v0.19.0 where a mirror has no such branch; also found as origin/REF); or a directory holding
+# pretrain_gpt.py, copied as it is (REF ignored).
 # MLM_DIR overrides the destination. .mlm/ holds Megatron's code: keep it out of git (.git/info/exclude).
 set -euo pipefail
 src=${1:?usage: scripts/fetch_megatron_lm.sh SOURCE [REF]}
@@ -16,13 +17,15 @@ py=$(command -v python || command -v python3)
 
 commit=""
 if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
-  for r in "$ref" "origin/$ref"; do
+  refs=("$ref" "origin/$ref")
+  [ $# -ge 2 ] || refs+=(core_v0.19.0)      # no REF given: the release's tag
+  for r in "${refs[@]}"; do
     commit=$(git -C "$src" rev-parse --verify -q "$r^{commit}") && break
   done
   [ -n "$commit" ] || { echo "fetch_megatron_lm: $ref is not in $src: git -C $src fetch origin $ref, or give another REF" >&2; exit 1; }
   has() { git -C "$src" cat-file -e "$commit:$1" 2>/dev/null; }
   get() { git -C "$src" show "$commit:$1"; }
-  from="Megatron-LM $ref ($commit) from $src"
+  from="Megatron-LM $r ($commit) from $src"
 elif [ -f "$src/pretrain_gpt.py" ]; then
   has() { [ -f "$src/$1" ]; }
   get() { cat "$src/$1"; }

@@ -64,6 +64,21 @@ def test_fetch_copies_pretrain_gpt_and_what_it_imports_at_the_ref(tmp_path):
                                                                        "pretrain_gpt.py"]
 
 
+def test_fetch_takes_the_release_tag_where_the_branch_is_missing(tmp_path):
+    """A mirror of tags (no core_r0.19.0 branch): the default REF falls back to the tag core_v0.19.0; a REF
+    given is taken as it is."""
+    repo = _git_repo(tmp_path / "Megatron-LM")
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "tag", "core_v0.19.0", "core_r0.19.0"], check=True)
+    subprocess.run([*git, "branch", "-q", "-D", "core_r0.19.0"], check=True)
+    done = _fetch(tmp_path, str(repo))
+    assert done.returncode == 0, done.stderr
+    assert "core_v0.19.0" in (tmp_path / "mlm" / "SOURCE").read_text()
+    assert not (tmp_path / "mlm" / "model_provider.py").exists()         # the tag's tree, not main's
+    refused = _fetch(tmp_path, str(repo), "core_r0.19.0")
+    assert refused.returncode == 1 and "core_r0.19.0 is not in" in refused.stderr
+
+
 def test_fetch_from_a_directory_and_errors(tmp_path):
     src = tmp_path / "copy"
     src.mkdir()
