@@ -5,12 +5,13 @@ import contextlib
 import csv
 import math
 import os
-import socket
 import warnings
 from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
+
+from megatron_kcp.testing.distributed import free_port  # noqa: F401 - the benches' rendezvous port
 
 
 @contextlib.contextmanager
@@ -66,13 +67,6 @@ def problem(model, T, H, K, dtype, device, seed, gate_dtype=torch.float32):
 def fresh_leaves(xs):
     """Copies of ``xs`` that are leaves of the autograd graph, requiring their gradients."""
     return [x.detach().clone().requires_grad_() for x in xs]
-
-
-def free_port() -> int:
-    """A port free now on 127.0.0.1, for a rendezvous (processes started side by side each get their own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, W, *args):

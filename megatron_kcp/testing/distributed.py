@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now on 127.0.0.1, for a rendezvous (processes started side by side each get their own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
