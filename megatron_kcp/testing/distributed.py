@@ -49,7 +49,10 @@ def init_process(rank: int, world_size: int, port: int, device_type: str | None 
     return device
 
 
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "fla"]
+# third-party imports a rank would repeat (megatron_kcp itself is not: each rank imports it in the caller's
+# environment); a module that is not installed is skipped (transformers is a test extra: the data path's tokenizer)
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "fla", "megatron.core.ssm.gated_delta_net",
+            "megatron.core.models.gpt.gpt_model", "megatron.training", "transformers"]
 
 
 def _start_method() -> str:

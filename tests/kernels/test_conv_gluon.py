@@ -75,6 +75,7 @@ print("halo fix ok")
 """
 
 
+@pytest.mark.slow      # Triton's interpreter on the CPU; the GPU suite ops_conv runs the kernel itself
 def test_halo_fix_gives_the_gradients_with_the_halo():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

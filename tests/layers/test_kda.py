@@ -83,6 +83,7 @@ print("fused ok")
 """
 
 
+@pytest.mark.slow      # Triton's interpreter on the CPU; the GPU suite layers_w2 runs the kernels in bf16 and fp32
 def test_kda_fused_gate_and_norm_match_the_formulas():
     """fla's fused gate and gated norm, which the mixer runs on GPUs, under Triton's interpreter in fp32:
     output and every gradient within 1e-6 of the formulas in fp64; ``dt_bias`` fed key-major misses by

@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow      # Triton's interpreter on the CPU; the GPU suite ops_w1 runs the kernel itself
 def test_fold_on_flas_merge_kernel_equals_the_pytorch_fold():
     pytest.importorskip("fla")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
