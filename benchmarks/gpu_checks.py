@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 LAYOUT, OPS, LAYERS = "tests/layers/test_layout.py", "tests/ops/test_kcp_cuda.py", "tests/layers/test_layers_cuda.py"
 QLA = {"KCP_GPU_BACKEND": "qla", "KCP_GPU_MODELS": "gdn"}        # flash-qla's core (Hopper on, bf16)
+# the W = 4 layout tests in two parts, each within a 10-minute call: a case of 300 documents takes minutes
+DOCS, CONTROL = {"KCP_GPU_DOCS": "1,300"}, {"KCP_GPU_DOCS": "control"}
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,12 @@ class Suite:
 
 
 SUITES = (   # longest first: the W = 4 layout tests, then the training steps
-    Suite("layout_w4_block_gdn", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-gdn")),
-    Suite("layout_w4_block_kda", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-kda")),
-    Suite("layout_w4_mixers", (LAYOUT, "-k", "at_4_ranks_on_gpu and mixer")),
+    Suite("layout_w4_block_gdn", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-gdn"), DOCS),
+    Suite("layout_w4_block_gdn_control", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-gdn"), CONTROL),
+    Suite("layout_w4_block_kda", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-kda"), DOCS),
+    Suite("layout_w4_block_kda_control", (LAYOUT, "-k", "at_4_ranks_on_gpu and block-kda"), CONTROL),
+    Suite("layout_w4_mixers", (LAYOUT, "-k", "at_4_ranks_on_gpu and mixer"), DOCS),
+    Suite("layout_w4_mixers_control", (LAYOUT, "-k", "at_4_ranks_on_gpu and mixer"), CONTROL),
     Suite("train_gdn", ("tests/test_train_cuda.py", "-k", "gdn")),       # 2 GPUs: the training step over NCCL
     Suite("train_kda", ("tests/test_train_cuda.py", "-k", "kda")),
     Suite("ops_w2", (OPS, "-k", "single_gpu and 2]")),
@@ -59,7 +64,8 @@ SUITES = (   # longest first: the W = 4 layout tests, then the training steps
     Suite("ops_poison_w4_qla", (OPS, "-k", "cp_reads_no_unzeroed and 4]"), QLA),
     Suite("ops_pieces", (OPS, "-k", "qla_matches or single_device_call or split_segments or maps_match or "
                                     "head_groups or middle_rank_split")),
-    Suite("ops_conv", (OPS, "-k", "conv_")),   # the conv's halo on every layout and both kernels: long
+    Suite("ops_conv", (OPS, "-k", "conv_equal")),   # the conv's halo on every layout and both kernels
+    Suite("ops_conv_long", (OPS, "-k", "conv_long")),   # pieces of thousands of tokens: long
     Suite("layers_w4", (LAYERS, "-k", "4-1-False or 4-2-True")),
     Suite("layers_w2", (LAYERS, "-k", "2-1-False or 2-2-True or fused_gate")),
     Suite("layers_slow", ("tests/layers/test_attention.py", LAYERS, "-k", "varlen or long_pieces")),

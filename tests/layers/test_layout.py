@@ -261,9 +261,9 @@ def test_converted_layout_equals_cp1_on_gpu(model, what, monkeypatch):
 @pytest.mark.parametrize("model", ["gdn", "kda"])
 @pytest.mark.parametrize("what", ["mixer", "block"])
 def test_converted_layout_at_4_ranks_on_gpu(model, what, monkeypatch):
-    """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control. A block's 300
-    documents and its control take minutes each: where a call's time is short, run them as parts,
-    e.g. ``KCP_GPU_DOCS=300`` and ``KCP_GPU_DOCS=control``."""
+    """Four CP ranks sharing one GPU, one and 300 documents, and the off-by-one control. 300 documents
+    and the control take minutes each: the GPU suites run them as two parts (``KCP_GPU_DOCS=1,300`` and
+    ``KCP_GPU_DOCS=control``, benchmarks/gpu_checks.py)."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     spawn(_cases, 4, model, what, *_gpu_cases("1,300,control"), GPU)
 
