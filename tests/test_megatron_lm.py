@@ -147,10 +147,11 @@ def test_without_te_the_flags_are_needed(monkeypatch):
 LOCAL_MLM = pathlib.Path(os.environ.get("MEGATRON_LM") or ROOT / ".mlm")
 
 
-def _real_pretrain_gpt_step(index, data=()):
-    """Megatron-LM's own pretrain_gpt.py functions on the CPU (its .cuda() calls made no-ops): its
-    dataset provider and forward_step on the model its arguments build, against megatron_kcp.train's.
-    ``data``: the data options that replace the README's mock data (an indexed dataset and its tokenizer)."""
+def pretrain_gpt_steps(argv, check_model=lambda model: None):
+    """Megatron-LM's own pretrain_gpt.py on the CPU (megatron_cpu, its .cuda() calls made no-ops): its startup
+    parses and validates ``argv``, Megatron's builder makes the model (``check_model`` looks at it); then one
+    step's (loss, tokens) on that model from pretrain_gpt.py's dataset provider and forward_step, and from
+    megatron_kcp.train's. Returns the two pairs."""
     import importlib.util
 
     import torch
@@ -166,16 +167,12 @@ def _real_pretrain_gpt_step(index, data=()):
     spec = importlib.util.spec_from_file_location("pretrain_gpt", LOCAL_MLM / "pretrain_gpt.py")
     pretrain_gpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pretrain_gpt)
-    _, argv = _script_args(readme_commands()[index])
-    argv = [a for a in argv if a != "--bf16"]
-    if data:
-        i = argv.index("--tokenizer-type")
-        argv = [a for a in argv[:i] + argv[i + 2:] if a != "--mock-data"] + list(data)
-    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--seq-length", "256",
-                "--max-position-embeddings", "256"]
+    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     model_cfg = gpt_config_from_args(args)
+    torch.manual_seed(args.seed)
     model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    check_model(model)
     losses = []
     for provider, forward_step in ((pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step),
                                    (train.datasets_provider, train.forward_step)):
@@ -183,6 +180,18 @@ def _real_pretrain_gpt_step(index, data=()):
         output, loss_func = forward_step(iter([torch.utils.data.default_collate([dataset[0]])]), model)
         loss, num_tokens, _ = loss_func(output)
         losses.append((loss.item(), num_tokens.item()))
+    return losses
+
+
+def _real_pretrain_gpt_step(index, data=()):
+    """The README's ``index``-th pretrain_gpt.py command: pretrain_gpt.py's step equals megatron_kcp.train's.
+    ``data``: the data options that replace the README's mock data (an indexed dataset and its tokenizer)."""
+    _, argv = _script_args(readme_commands()[index])
+    argv = [a for a in argv if a != "--bf16"]
+    if data:
+        i = argv.index("--tokenizer-type")
+        argv = [a for a in argv[:i] + argv[i + 2:] if a != "--mock-data"] + list(data)
+    losses = pretrain_gpt_steps([*argv, "--seq-length", "256", "--max-position-embeddings", "256"])
     assert losses[0] == losses[1] and (losses[0][1] == 128 or data), losses    # this rank's half of 256 tokens
 
 

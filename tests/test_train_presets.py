@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from megatron_kcp.testing.distributed import rel_err, spawn
-from tests.test_megatron_lm import LOCAL_MLM
+from tests.test_megatron_lm import LOCAL_MLM, pretrain_gpt_steps
 from tests.test_train import _small_model, entry_step
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -109,49 +109,27 @@ def test_tiny_preset_training_step_cp2_equals_cp1(name, tmp_path, monkeypatch):
 
 
 def _real_pretrain_gpt_step(preset):
-    """Megatron-LM's pretrain_gpt.py functions on the CPU (its .cuda() calls made no-ops), as
-    tests.test_megatron_lm does for the dense hybrids: the launcher's --megatron-lm command for ``preset``
-    at this world's CP, parsed and validated by pretrain_gpt.py's startup; its dataset provider and
-    forward_step against megatron_kcp.train's on the model Megatron's builder makes of it."""
+    """Megatron-LM's pretrain_gpt.py on the CPU, as tests.test_megatron_lm runs it for the dense hybrids: the
+    launcher's --megatron-lm command for ``preset`` at this world's CP, parsed and validated by pretrain_gpt.py's
+    startup; its dataset provider and forward_step against megatron_kcp.train's on the MoE model Megatron's
+    builder makes of it."""
     import contextlib
-    import importlib.util
     import io
     import shlex
-    import sys
 
-    from megatron_kcp import megatron_cpu
-    megatron_cpu.enable()
-    torch.Tensor.cuda = lambda self, *a, **k: self
     from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.argument_utils import gpt_config_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_kcp import launch, train
-    from tests.test_megatron_lm import LOCAL_MLM
-    sys.path.insert(0, str(LOCAL_MLM))
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", LOCAL_MLM / "pretrain_gpt.py")
-    pretrain_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain_gpt)
+    from megatron_kcp import launch
     cp = ps.get_context_parallel_world_size()
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         launch.main(["--dry-run", str(CONFIGS / preset), "--nproc-per-node", str(cp), "--cp", str(cp), "--fp32",
                      "--megatron-lm", str(LOCAL_MLM), "--", *NO_MTP, *SHRINK])
     cmd = shlex.split(out.getvalue())
-    sys.argv = ["pretrain_gpt.py", *cmd[cmd.index(str(LOCAL_MLM / "pretrain_gpt.py")) + 1:], "--use-cpu-initialization"]
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    model_cfg = gpt_config_from_args(args)
-    torch.manual_seed(args.seed)
-    model = model_cfg.get_builder_cls()(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
-    assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.decoder.layers)
-    losses = []
-    for provider, forward_step in ((pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step),
-                                   (train.datasets_provider, train.forward_step)):
-        dataset = provider([1, 0, 0])[0]
-        output, loss_func = forward_step(iter([torch.utils.data.default_collate([dataset[0]])]), model)
-        loss, num_tokens, _ = loss_func(output)
-        losses.append((loss.item(), num_tokens.item()))
+
+    def has_moe(model):
+        assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.decoder.layers)
+    losses = pretrain_gpt_steps(cmd[cmd.index(str(LOCAL_MLM / "pretrain_gpt.py")) + 1:], has_moe)
     assert losses[0] == losses[1] and losses[0][1] == 64 // cp, losses       # this rank's share of 64 tokens
 
 
