@@ -62,7 +62,6 @@ from benchmarks.catalogue import CONV, DOCS, SHAPES, TINY, Shape, cu_seqlens
 from benchmarks.common import free_port, fresh_leaves
 from benchmarks.methods import METHODS as REGISTRY
 from benchmarks.schema import Writer
-from megatron_kcp.calibration import CALIBRATION
 from megatron_kcp.plan import LAYOUTS, build_plan
 
 CP2HP_QLA = "flash-qla's call (megatron-core with flash-qla installed)"
@@ -448,10 +447,7 @@ def main(argv=None, prog=None):
     p.add_argument("--backend", choices=["auto", "fla", "qla"], default="auto",
                    help="the core of our rows (auto: the default's pick, flash-qla for GDN where it wins)")
     p.add_argument("--no-qla", dest="qla", action="store_false", help="skip flash-qla's one-GPU call")
-    p.add_argument("--alpha-us", type=float, default=CALIBRATION.link.latency * 1e6,
-                   help="link latency per message (us; default: megatron_kcp.calibration's)")
-    p.add_argument("--bw-gbs", type=float, default=CALIBRATION.link.bandwidth / 1e9,
-                   help="link bandwidth (GB/s, 1e9 bytes; default: megatron_kcp.calibration's)")
+    simulate.add_link_args(p)
     p.add_argument("--csv", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print every rank's timeline (compute between its exchange points) and kernel table "

@@ -249,6 +249,14 @@ HEADER = (f"{'model':5s} {'tokens':>7s} {'docs':9s} {'H':>4s} {'W':>3s} {'layout
           "busy/idle(slowest)  MiB sent per rank")
 
 
+def add_link_args(p):
+    """The link a replay runs over: --alpha-us and --bw-gbs, megatron_kcp.calibration's link by default."""
+    p.add_argument("--alpha-us", type=float, default=CALIBRATION.link.latency * 1e6,
+                   help="link latency per message (us; default: megatron_kcp.calibration's)")
+    p.add_argument("--bw-gbs", type=float, default=CALIBRATION.link.bandwidth / 1e9,
+                   help="link bandwidth (GB/s, 1e9 bytes; default: megatron_kcp.calibration's)")
+
+
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -269,10 +277,7 @@ def main(argv=None, prog=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--alpha-us", type=float, default=CALIBRATION.link.latency * 1e6,
-                   help="link latency per message (us; default: megatron_kcp.calibration's)")
-    p.add_argument("--bw-gbs", type=float, default=CALIBRATION.link.bandwidth / 1e9,
-                   help="link bandwidth (GB/s, 1e9 bytes; default: megatron_kcp.calibration's)")
+    add_link_args(p)
     p.add_argument("--csv", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also print each rank's kernel table (torch.profiler, one step), ROWS kernels")
