@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 LAYOUT, OPS, LAYERS = "tests/layers/test_layout.py", "tests/ops/test_kcp_cuda.py", "tests/layers/test_layers_cuda.py"
 QLA = {"KCP_GPU_BACKEND": "qla", "KCP_GPU_MODELS": "gdn"}        # flash-qla's core (Hopper on, bf16)
-# the W = 4 layout tests in two parts, each within a 10-minute call: a case of 300 documents takes minutes
+# the W = 4 layout tests in two parts that run side by side: a case of 300 documents takes minutes
 DOCS, CONTROL = {"KCP_GPU_DOCS": "1,300"}, {"KCP_GPU_DOCS": "control"}
 
 
