@@ -4,8 +4,8 @@ A method is the default (``kcp``) or a peer, with its ablation declared, never a
 internals where the library takes an option: ``options`` go to ``megatron_kcp.ops.kcp.gated_delta_rule``
 (``strategy=``, ``backend=``, ``max_segment=``), ``env`` to the process (the documented ``KCP_*`` and
 ``FLA_*`` overrides, read at each call), ``exchange`` swaps an entry of the exchange registry
-(``EXCHANGES.swapped``: the op looks its strategy up at each call) for a benchmark's subclass. ``patch`` is the one
-ablation no option reaches: the all-gather's fold run as PyTorch's loop (``gather.fold_reference``).
+(``EXCHANGES.swapped``: the op looks its strategy up at each call) for a benchmark's subclass (the all-gather
+with every sequence start on a pass of its own, or folding with PyTorch's loop).
 
     METHODS.register(Method("kcp-whole", "ours", "the default with no segment split", options={"max_segment": 0}))
     with METHODS["kcp-whole"].applied() as options:
@@ -16,9 +16,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
-from unittest import mock
 
-from megatron_kcp.parallel.gather import AllGather
+from megatron_kcp.parallel.gather import AllGather, fold_reference
 
 
 class OwnStartsGather(AllGather):
@@ -29,9 +28,10 @@ class OwnStartsGather(AllGather):
         return []
 
 
-def _fold_loop():
-    from megatron_kcp.parallel import gather
-    return mock.patch.object(gather, "fold", gather.fold_reference)
+class FoldLoopGather(AllGather):
+    """The all-gather folding chains of several sources with PyTorch's loop (``fold_reference``) on the GPU
+    too, not fla's merge kernel."""
+    merge = staticmethod(fold_reference)
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,14 @@ class Method:
     options: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)     # None: unset
     exchange: dict[str, Callable] = field(default_factory=dict)   # strategy name: the class swapped in
-    patch: Callable | None = None
 
     @contextlib.contextmanager
     def applied(self):
-        """The method's environment, exchange and patch in place; yields its op options."""
+        """The method's environment and exchange in place; yields its op options."""
         from benchmarks.common import env
         from megatron_kcp.parallel.exchanges import EXCHANGES
         swaps = [cls() for cls in self.exchange.values()]
-        with env(**self.env), EXCHANGES.swapped(*swaps), \
-                (self.patch() if self.patch else contextlib.nullcontext()):
+        with env(**self.env), EXCHANGES.swapped(*swaps):
             yield dict(self.options)
 
 
@@ -85,7 +83,7 @@ for _m in (
            env={"KCP_RELAY_GROUPS": "1"}),
     Method("kcp", "ours", "the default (note: its strategy and layout)"),
     Method("kcp-foldloop", "ours", "the default with the all-gather's fold as PyTorch's loop", levels=("ops",),
-           by_name=True, patch=_fold_loop),
+           by_name=True, exchange={"gather": FoldLoopGather}),
     Method("kcp-ownstart", "ours", "the default with every sequence start on a state pass of its own",
            levels=("ops",), by_name=True, exchange={"gather": OwnStartsGather}),
     Method("kcp-whole", "ours", "the default with no segment split by the kernels' pick", levels=("ops",),

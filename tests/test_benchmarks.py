@@ -127,8 +127,10 @@ def test_run_matrix_smoke_every_method_is_the_same_function(tmp_path):
 
 
 @pytest.mark.parametrize("args,check", [
-    (("predict", "matrix", "--shapes", "qwen3-next", "--docs", "varlen", "--levels", "ops", "mixer"),
-     lambda rows: {("ops", "kcp"), ("mixer", "kcp")} <= {(r["level"], r["method"]) for r in rows}
+    (("predict", "matrix", "--shapes", "qwen3-next", "--docs", "varlen", "--levels", "ops", "mixer", "--methods",
+      "noCP", "kcp", "kcp-foldloop", "kcp-ownstart", "kcp-whole"),       # and the ablations asked for by name
+     lambda rows: {("ops", "kcp"), ("mixer", "kcp"), ("ops", "kcp-foldloop"), ("ops", "kcp-ownstart"),
+                   ("ops", "kcp-whole")} <= {(r["level"], r["method"]) for r in rows}
      and all(r["source"] == "predicted" and not r["note"].startswith("error") for r in rows)),
     (("predict", "host-time", "--shapes", "qwen3-next", "--cp", "2"),
      lambda rows: [r["rank"] for r in rows] == ["0", "1"] and all(float(r["host_ms"]) > 0 for r in rows)),

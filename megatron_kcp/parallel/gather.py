@@ -27,8 +27,10 @@ from megatron_kcp.plan import KCPPlan, index_tensor, keep_starts
 from megatron_kcp.parallel.strategy import StateExchange
 
 
-def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
-    """``out[c.segment] = fold over c.sources`` for every chain. ``gathered`` ``[W, slots, HV, K, V+K]``.
+def fold(gathered: torch.Tensor, chains, out: torch.Tensor, merge=None) -> None:
+    """``out[c.segment] = fold over c.sources`` for every chain. ``gathered`` ``[W, slots, HV, K, V+K]``;
+    ``merge``: the fold of chains of several sources (None: :func:`fold_merge` on CUDA, else
+    :func:`fold_reference`).
 
     The chains of one sequence are prefixes of its longest (the pieces before a segment, or after it
     in the backward), so each sequence is folded once, along its longest chain, and every chain takes
@@ -52,7 +54,7 @@ def fold(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
         out.index_copy_(0, index_tensor([c.segment for c in chains], out.device),
                         gathered.flatten(0, 1)[..., :V].index_select(0, rows))
         return
-    (fold_merge if gathered.is_cuda else fold_reference)(gathered, chains, out)
+    (merge or (fold_merge if gathered.is_cuda else fold_reference))(gathered, chains, out)
 
 
 def fold_merge(gathered: torch.Tensor, chains, out: torch.Tensor) -> None:
@@ -151,6 +153,7 @@ class AllGather(StateExchange):
     slowest rank and the ring all-gather of its slots, a direction (:func:`cost_model.costs`)."""
     name = "gather"
     order = 1
+    merge = None        # fold's merge of chains of several sources (None: its own pick)
 
     def applicable(self, problem):
         if problem.strategy != "auto":
@@ -190,7 +193,7 @@ class AllGather(StateExchange):
                     row = {s: j for j, s in enumerate(export)}
                     M = M.index_select(0, index_tensor([row[s] for s in middle], M.device))
                 M = M.contiguous()
-            fold(_all_gather(buf, plan, group), plan.recv_fwd, h0)
+            fold(_all_gather(buf, plan, group), plan.recv_fwd, h0, self.merge)
         rest = _others(n, done)
         if rest and not core.fused:           # a fused core's output runs its own state pass
             core.state(P, st, rest, h0)
@@ -226,7 +229,7 @@ class AllGather(StateExchange):
             slot = {s: j for j, s in enumerate(send)}
             if middle:
                 buf[..., V:].index_copy_(0, index_tensor([slot[s] for s in middle], buf.device), M.transpose(-1, -2))
-            fold(_all_gather(buf, plan, group), plan.recv_bwd, dht)
+            fold(_all_gather(buf, plan, group), plan.recv_bwd, dht, self.merge)
         rest = _others(n, done)
         if core.fused:                        # its backward runs its own pass: only dh0 that leaves the op
             rest = [s for s in rest if plan.pred[s] is None]
